@@ -1,0 +1,60 @@
+// Run-time dtype -> compile-time type, for the launchers. Instantiations stay bounded: one per
+// storage type, and norm weights are either the input's type or fp32.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "flashkern/numeric.h"
+#include "flashkern/ops.h"
+
+namespace fk {
+
+template <typename F>
+decltype(auto) with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::f16:
+      return f(half_t{});
+    case DType::bf16:
+      return f(bf16_t{});
+    default:
+      return f(float{});
+  }
+}
+
+// The storage type of a norm weight: fp32, or the same type as the input.
+template <typename T, typename F>
+decltype(auto) with_weight_dtype(DType weight_dtype, F&& f) {
+  if (weight_dtype == DType::f32) return f(float{});
+  return f(T{});
+}
+
+template <typename F>
+decltype(auto) with_activation(Activation act, F&& f) {
+  switch (act) {
+    case Activation::gelu:
+      return f(std::integral_constant<Activation, Activation::gelu>{});
+    case Activation::gelu_tanh:
+      return f(std::integral_constant<Activation, Activation::gelu_tanh>{});
+    default:
+      return f(std::integral_constant<Activation, Activation::silu>{});
+  }
+}
+
+template <typename F>
+decltype(auto) with_bool(bool b, F&& f) {
+  if (b) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
+#if defined(FK_GPU)
+// nullptr, or why the launch just made failed (bad configuration, no kernel image for the device).
+inline const char* last_launch_error() {
+  const gpuError_t e = gpuGetLastError();
+  return e == gpuSuccess ? nullptr : gpuGetErrorString(e);
+}
+#endif
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace fk

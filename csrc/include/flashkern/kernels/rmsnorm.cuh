@@ -1,0 +1,333 @@
+// RMSNorm, fused residual-add + RMSNorm, and the RMSNorm backward.
+//   forward:  y = x * r * (w + offset),  r = rsqrt(mean(x^2) + eps)         (offset 1: Gemma)
+//   fused:    residual = round(x + residual); x = rmsnorm(residual)         (in place)
+//   backward: dx = r * (dy * w' - x * r^2 * mean(dy * w' * x)),  dw = sum over rows of dy * x * r
+// Threads: a power-of-two group of threads per row (rows.h), each holding up to kMaxVecs 16-byte
+// vectors of the row in registers, so x is read once; rows too long for that are streamed twice.
+// fp32 math throughout. Bytes per element: forward 2 * sizeof(T) (fused: 4 * sizeof(T)),
+// backward 3 * sizeof(T); the weight is read once per row from L1/L2.
+#pragma once
+
+#include "flashkern/dispatch.h"
+#include "flashkern/ops.h"
+#include "flashkern/reduce.h"
+#include "flashkern/vec.h"
+
+namespace fk {
+
+inline constexpr RowPlanLimits kRmsnormLimits{1024, 8, 4, 256};
+// With a residual every vector is loaded twice; half the threads per block leave each thread the
+// registers to keep all of those loads in flight without spilling.
+inline constexpr RowPlanLimits kFusedAddRmsnormLimits{512, 8, 4, 256};
+template <bool kResidual>
+inline constexpr RowPlanLimits kRmsnormLimitsFor = kResidual ? kFusedAddRmsnormLimits : kRmsnormLimits;
+// The backward keeps x, dy and the dw partial sums of its columns in registers: fewer of each.
+inline constexpr RowPlanLimits kRmsnormBackwardLimits{512, 4, 2, 256};
+
+// The columns of vector v of a row: how many of its kVec elements exist (0 past the end).
+template <int kVec>
+FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
+  const int64_t rest = cols - v * kVec;
+  return rest <= 0 ? 0 : (rest < kVec ? int(rest) : kVec);
+}
+
+template <int kWarp, typename T, typename W, int kVec, bool kResidual>
+FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
+  constexpr int kMaxVecs = kRmsnormLimits.max_vecs_per_thread;
+  __shared__ float scratch[RowGroup<kWarp>::kMaxWarps];
+  const int tpr = plan.threads_per_row;
+  const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
+  const int64_t row = int64_t(blockIdx.x) * plan.rows_per_block + threadIdx.x / tpr;
+  const bool active = row < p.rows;  // inactive groups still join the reduction
+  const int64_t cols = active ? p.cols : 0;
+  const T* x = static_cast<const T*>(p.input) + (active ? p.input_rows.offset(row) : 0);
+  T* res = kResidual ? static_cast<T*>(p.residual) + (active ? p.residual_rows.offset(row) : 0) : nullptr;
+  T* y = static_cast<T*>(p.out) + (active ? p.out_rows.offset(row) : 0);
+  const W* w = static_cast<const W*>(p.weight);
+
+  // x (or x + residual, rounded to T as it is stored) for vector v; returns its sum of squares.
+  auto load_input = [&](Vec<T, kVec>& xv, int64_t v) {
+    const int n = vec_elems<kVec>(v, cols);
+    xv.load(x + v * kVec, n);
+    if constexpr (kResidual) {
+      Vec<T, kVec> rv;
+      rv.load(res + v * kVec, n);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) xv.set(i, xv.f(i) + rv.f(i));
+      xv.store(res + v * kVec, n);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) ss += xv.f(i) * xv.f(i);
+    return ss;
+  };
+  auto store_output = [&](const Vec<T, kVec>& xv, int64_t v, float r) {
+    const int n = vec_elems<kVec>(v, cols);
+    Vec<W, kVec> wv;
+    wv.load(w + v * kVec, n);
+    Vec<T, kVec> yv;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) yv.set(i, xv.f(i) * r * (wv.f(i) + p.weight_offset));
+    yv.store(y + v * kVec, n);
+  };
+
+  float ss[1] = {0.f};
+  if (plan.in_registers) {
+    Vec<T, kVec> xv[kMaxVecs];
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k)
+      if (k < plan.vecs_per_thread) ss[0] += load_input(xv[k], group.lane + int64_t(k) * tpr);
+    group.sum(ss, scratch);
+    const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k)
+      if (k < plan.vecs_per_thread) store_output(xv[k], group.lane + int64_t(k) * tpr, r);
+  } else {
+    const int64_t row_vecs = ceil_div(cols, kVec);
+    for (int64_t v = group.lane; v < row_vecs; v += tpr) {
+      Vec<T, kVec> xv;
+      ss[0] += load_input(xv, v);
+    }
+    group.sum(ss, scratch);
+    const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+    const T* src = kResidual ? res : x;  // this thread wrote these residual elements itself
+    for (int64_t v = group.lane; v < row_vecs; v += tpr) {
+      Vec<T, kVec> xv;
+      xv.load(src + v * kVec, vec_elems<kVec>(v, cols));
+      store_output(xv, v, r);
+    }
+  }
+}
+
+template <int kWarp, typename T, typename W, int kVec, bool kResidual>
+__global__ void __launch_bounds__(kRmsnormLimitsFor<kResidual>.max_block_threads) rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
+  if constexpr (FK_WARP_SIZE_MISMATCH(kWarp)) {
+    __builtin_trap();
+  } else {
+    rmsnorm_rows<kWarp, T, W, kVec, kResidual>(p, plan);
+  }
+}
+
+// Each row group walks rows base + g, base += grid rows, keeps dw for its own columns in
+// registers and writes them as one partial row of the fp32 workspace; rmsnorm_dw_reduce_kernel
+// then sums the partial rows. Streamed rows keep their partial row in the workspace instead.
+template <int kWarp, typename T, typename W, int kVec>
+FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPlan& plan) {
+  constexpr int kMaxVecs = kRmsnormBackwardLimits.max_vecs_per_thread;
+  __shared__ float scratch[2 * RowGroup<kWarp>::kMaxWarps];
+  const int tpr = plan.threads_per_row;
+  const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
+  const int64_t group_id = int64_t(blockIdx.x) * plan.rows_per_block + threadIdx.x / tpr;
+  const int64_t row_vecs = ceil_div(p.cols, kVec);
+  float* partial = p.workspace + group_id * row_vecs * kVec;  // padded rows: 16-byte aligned
+  const W* w = static_cast<const W*>(p.weight);
+  const float inv_cols = 1.f / float(p.cols);
+
+  float dw[kMaxVecs][kVec];
+#pragma unroll
+  for (int k = 0; k < kMaxVecs; ++k)
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) dw[k][i] = 0.f;
+  if (!plan.in_registers)
+    for (int64_t v = group.lane; v < row_vecs; v += tpr)
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) partial[v * kVec + i] = 0.f;
+
+  const int64_t grid_rows = int64_t(gridDim.x) * plan.rows_per_block;
+  for (int64_t base = int64_t(blockIdx.x) * plan.rows_per_block; base < p.rows; base += grid_rows) {
+    const int64_t row = base + threadIdx.x / tpr;  // the loop is uniform over the block
+    const bool active = row < p.rows;
+    const int64_t cols = active ? p.cols : 0;
+    const T* x = static_cast<const T*>(p.input) + (active ? p.input_rows.offset(row) : 0);
+    const T* dy = static_cast<const T*>(p.grad_out) + (active ? p.grad_out_rows.offset(row) : 0);
+    T* dx = static_cast<T*>(p.grad_input) + (active ? p.grad_input_rows.offset(row) : 0);
+
+    // sums[0] = sum x^2, sums[1] = sum dy * w' * x
+    auto accumulate = [&](const Vec<T, kVec>& xv, const Vec<T, kVec>& gv, const Vec<W, kVec>& wv, float (&sums)[2]) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        sums[0] += xv.f(i) * xv.f(i);
+        sums[1] += gv.f(i) * (wv.f(i) + p.weight_offset) * xv.f(i);
+      }
+    };
+    // dx for vector v, and dy * x * r for each of its columns into dwv.
+    auto grads = [&](const Vec<T, kVec>& xv, const Vec<T, kVec>& gv, const Vec<W, kVec>& wv, int64_t v, float r,
+                     float c, float (&dwv)[kVec]) {
+      Vec<T, kVec> dxv;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        dxv.set(i, r * (gv.f(i) * (wv.f(i) + p.weight_offset) - xv.f(i) * c));
+        dwv[i] += gv.f(i) * xv.f(i) * r;
+      }
+      dxv.store(dx + v * kVec, vec_elems<kVec>(v, cols));
+    };
+
+    float sums[2] = {0.f, 0.f};
+    if (plan.in_registers) {
+      Vec<T, kVec> xv[kMaxVecs], gv[kMaxVecs];
+#pragma unroll
+      for (int k = 0; k < kMaxVecs; ++k) {
+        if (k < plan.vecs_per_thread) {
+          const int64_t v = group.lane + int64_t(k) * tpr;
+          const int n = vec_elems<kVec>(v, cols);
+          xv[k].load(x + v * kVec, n);
+          gv[k].load(dy + v * kVec, n);
+          Vec<W, kVec> wv;
+          wv.load(w + v * kVec, n);
+          accumulate(xv[k], gv[k], wv, sums);
+        }
+      }
+      group.sum(sums, scratch);
+      const float r = rsqrtf(sums[0] * inv_cols + p.eps);
+      const float c = r * r * sums[1] * inv_cols;
+#pragma unroll
+      for (int k = 0; k < kMaxVecs; ++k) {
+        if (k < plan.vecs_per_thread) {
+          const int64_t v = group.lane + int64_t(k) * tpr;
+          Vec<W, kVec> wv;
+          wv.load(w + v * kVec, vec_elems<kVec>(v, cols));
+          grads(xv[k], gv[k], wv, v, r, c, dw[k]);
+        }
+      }
+    } else {
+      for (int64_t v = group.lane; v * kVec < cols; v += tpr) {
+        const int n = vec_elems<kVec>(v, cols);
+        Vec<T, kVec> xv, gv;
+        Vec<W, kVec> wv;
+        xv.load(x + v * kVec, n);
+        gv.load(dy + v * kVec, n);
+        wv.load(w + v * kVec, n);
+        accumulate(xv, gv, wv, sums);
+      }
+      group.sum(sums, scratch);
+      const float r = rsqrtf(sums[0] * inv_cols + p.eps);
+      const float c = r * r * sums[1] * inv_cols;
+      for (int64_t v = group.lane; v * kVec < cols; v += tpr) {
+        const int n = vec_elems<kVec>(v, cols);
+        Vec<T, kVec> xv, gv;
+        Vec<W, kVec> wv;
+        xv.load(x + v * kVec, n);
+        gv.load(dy + v * kVec, n);
+        wv.load(w + v * kVec, n);
+        float dwv[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) dwv[i] = partial[v * kVec + i];
+        grads(xv, gv, wv, v, r, c, dwv);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) partial[v * kVec + i] = dwv[i];
+      }
+    }
+  }
+  if (plan.in_registers) {
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k) {
+      const int64_t v = group.lane + int64_t(k) * tpr;
+      if (k < plan.vecs_per_thread && v < row_vecs) {
+        Vec<float, kVec> out;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) out.v[i] = dw[k][i];
+        out.store(partial + v * kVec);
+      }
+    }
+  }
+}
+
+template <int kWarp, typename T, typename W, int kVec>
+__global__ void __launch_bounds__(512) rmsnorm_backward_kernel(RmsnormBackwardParams p, RowPlan plan) {
+  if constexpr (FK_WARP_SIZE_MISMATCH(kWarp)) {
+    __builtin_trap();
+  } else {
+    rmsnorm_backward_rows<kWarp, T, W, kVec>(p, plan);
+  }
+}
+
+// grad_weight[c] = sum of the partial rows' column c. One thread per column: coalesced.
+template <typename W>
+__global__ void __launch_bounds__(256) rmsnorm_dw_reduce_kernel(W* grad_weight, const float* partial,
+                                                                int64_t partial_rows, int64_t stride,
+                                                                int64_t cols) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float sum = 0.f;
+  for (int64_t j = 0; j < partial_rows; ++j) sum += partial[j * stride + c];
+  grad_weight[c] = from_float<W>(sum);
+}
+
+// ---- launchers, shared by the CUDA and HIP translation units ----
+
+template <int kWarp>
+const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
+  if (p.rows == 0) return nullptr;
+  return with_dtype(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    return with_weight_dtype<T>(p.weight_dtype, [&](auto wt) {
+      using W = decltype(wt);
+      constexpr int kVec = kVec16<T>;
+      const bool residual = p.residual != nullptr;
+      const bool wide = aligned16(p.out) && aligned16(p.input) && aligned16(p.weight) &&
+                        p.out_rows.strides_multiple_of(kVec) && p.input_rows.strides_multiple_of(kVec) &&
+                        (!residual || (aligned16(p.residual) && p.residual_rows.strides_multiple_of(kVec)));
+      return with_bool(wide, [&](auto wide_c) {
+        constexpr int kV = decltype(wide_c)::value ? kVec : 1;
+        return with_bool(residual, [&](auto res_c) {
+          constexpr bool kResidual = decltype(res_c)::value;
+          const RowPlan plan = plan_rows(p.rows, p.cols, kV, kRmsnormLimitsFor<kResidual>);
+          rmsnorm_kernel<kWarp, T, W, kV, kResidual>
+              <<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
+          return last_launch_error();
+        });
+      });
+    });
+  });
+}
+
+// The backward grid: about two full waves of blocks, each walking many rows.
+inline RowPlan rmsnorm_backward_plan(const RmsnormBackwardParams& p, int vec, int device) {
+  RowPlan plan = plan_rows(p.rows, p.cols, vec, kRmsnormBackwardLimits);
+  const int64_t resident = int64_t(gpuMultiprocessorCount(device)) * (2048 / plan.block_threads);
+  if (plan.blocks > resident) plan.blocks = resident;
+  return plan;
+}
+
+template <typename T>
+bool rmsnorm_backward_wide(const RmsnormBackwardParams& p) {
+  constexpr int kVec = kVec16<T>;
+  return aligned16(p.grad_input) && aligned16(p.grad_out) && aligned16(p.input) && aligned16(p.weight) &&
+         p.grad_input_rows.strides_multiple_of(kVec) && p.grad_out_rows.strides_multiple_of(kVec) &&
+         p.input_rows.strides_multiple_of(kVec);
+}
+
+inline size_t rmsnorm_backward_workspace(const RmsnormBackwardParams& p) {
+  if (p.rows == 0) return 0;
+  const int device = gpuCurrentDevice();
+  return with_dtype(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    const int vec = rmsnorm_backward_wide<T>(p) ? kVec16<T> : 1;
+    const RowPlan plan = rmsnorm_backward_plan(p, vec, device);
+    return size_t(plan.blocks * plan.rows_per_block) * size_t(ceil_div(p.cols, vec) * vec) * sizeof(float);
+  });
+}
+
+template <int kWarp>
+const char* run_rmsnorm_backward(const RmsnormBackwardParams& p, gpuStream_t stream) {
+  if (p.rows == 0) return nullptr;
+  const int device = gpuCurrentDevice();
+  return with_dtype(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    return with_weight_dtype<T>(p.weight_dtype, [&](auto wt) {
+      using W = decltype(wt);
+      return with_bool(rmsnorm_backward_wide<T>(p), [&](auto wide_c) {
+        constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
+        const RowPlan plan = rmsnorm_backward_plan(p, kV, device);
+        rmsnorm_backward_kernel<kWarp, T, W, kV>
+            <<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
+        const int64_t stride = ceil_div(p.cols, kV) * kV;
+        rmsnorm_dw_reduce_kernel<W><<<dim3(unsigned(ceil_div(p.cols, 256))), dim3(256), 0, stream>>>(
+            static_cast<W*>(p.grad_weight), p.workspace, plan.blocks * plan.rows_per_block, stride, p.cols);
+        return last_launch_error();
+      });
+    });
+  });
+}
+
+}  // namespace fk

@@ -1,0 +1,69 @@
+// The launch interface between the torch glue (csrc/torch/) and the kernels (csrc/cuda/,
+// csrc/hip/): one params struct and one launch function per op, plain pointers, no torch and no
+// GPU runtime types. Launchers enqueue on `stream`, never synchronize, and return nullptr or the
+// runtime's error string.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flashkern/activations.h"
+#include "flashkern/rows.h"
+
+namespace fk {
+
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// out = input * rsqrt(mean(input^2) + eps) * (weight + weight_offset), rows of `cols` elements.
+// With `residual`: residual += input first (rounded to the dtype), and the norm is of that sum.
+struct RmsnormParams {
+  void* out;              // [rows, cols] dtype
+  const void* input;      // [rows, cols] dtype
+  void* residual;         // [rows, cols] dtype, or nullptr
+  const void* weight;     // [cols] weight_dtype, contiguous
+  RowLayout out_rows, input_rows, residual_rows;
+  int64_t rows, cols;
+  DType dtype, weight_dtype;
+  float eps, weight_offset;
+};
+
+struct RmsnormBackwardParams {
+  void* grad_input;        // [rows, cols] dtype
+  void* grad_weight;       // [cols] weight_dtype
+  float* workspace;        // rmsnorm_backward_workspace_bytes(), from the caller's allocator
+  const void* grad_out;    // [rows, cols] dtype
+  const void* input;       // [rows, cols] dtype
+  const void* weight;      // [cols] weight_dtype
+  RowLayout grad_input_rows, grad_out_rows, input_rows;
+  int64_t rows, cols;
+  DType dtype, weight_dtype;
+  float eps, weight_offset;
+};
+
+// out = act(input[:, :cols]) * input[:, cols:]
+struct ActAndMulParams {
+  void* out;          // [rows, cols] dtype
+  const void* input;  // [rows, 2 * cols] dtype
+  RowLayout out_rows, input_rows;
+  int64_t rows, cols;
+  DType dtype;
+  Activation act;
+};
+
+struct ActAndMulBackwardParams {
+  void* grad_input;      // [rows, 2 * cols] dtype
+  const void* grad_out;  // [rows, cols] dtype
+  const void* input;     // [rows, 2 * cols] dtype
+  RowLayout grad_input_rows, grad_out_rows, input_rows;
+  int64_t rows, cols;
+  DType dtype;
+  Activation act;
+};
+
+const char* launch_rmsnorm(const RmsnormParams& p, void* stream);
+size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p);
+const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream);
+const char* launch_act_and_mul(const ActAndMulParams& p, void* stream);
+const char* launch_act_and_mul_backward(const ActAndMulBackwardParams& p, void* stream);
+
+}  // namespace fk

@@ -1,0 +1,117 @@
+// The one file that knows whether it is compiled by nvcc, hipcc or a plain host compiler.
+// Everything else in csrc/include/flashkern/ is written against the small interface below:
+//   FK_HOST_DEVICE, FK_DEVICE, FK_INLINE       function qualifiers
+//   fk::gpuStream_t, fk::gpuError_t, ...       runtime aliases (device builds only)
+//   fk::shfl_xor(v, lane_mask)                 maskless butterfly shuffle over the whole warp
+//   fk::hw::*, FK_HW_HALF, FK_HW_BF16          16-bit float conversion instructions where the pass
+//                                              has them (numeric.h falls back to bit-exact software)
+//   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
+//                                              for a device whose wavefront is another width
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIPCC__)
+#define FK_HIP 1
+#include <hip/hip_runtime.h>
+#elif defined(__CUDACC__)
+#define FK_CUDA 1
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+#if defined(FK_CUDA) || defined(FK_HIP)
+#define FK_GPU 1
+#define FK_HOST_DEVICE __host__ __device__ __forceinline__
+#define FK_DEVICE __device__ __forceinline__
+#else
+#define FK_HOST_DEVICE inline
+#endif
+
+#if (defined(FK_CUDA) && defined(__CUDA_ARCH__)) || (defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__))
+#define FK_DEVICE_PASS 1
+#endif
+
+namespace fk {
+
+#if defined(FK_CUDA)
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+inline constexpr gpuError_t gpuSuccess = cudaSuccess;
+inline gpuError_t gpuGetLastError() { return cudaGetLastError(); }
+inline const char* gpuGetErrorString(gpuError_t e) { return cudaGetErrorString(e); }
+inline int gpuCurrentDevice() {
+  int d = 0;
+  return cudaGetDevice(&d) == cudaSuccess ? d : 0;
+}
+inline int gpuMultiprocessorCount(int device) {
+  int n = 0;
+  return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? n : 1;
+}
+inline int gpuWarpSize(int device) {
+  int n = 0;
+  return cudaDeviceGetAttribute(&n, cudaDevAttrWarpSize, device) == cudaSuccess ? n : 32;
+}
+#elif defined(FK_HIP)
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+inline constexpr gpuError_t gpuSuccess = hipSuccess;
+inline gpuError_t gpuGetLastError() { return hipGetLastError(); }
+inline const char* gpuGetErrorString(gpuError_t e) { return hipGetErrorString(e); }
+inline int gpuCurrentDevice() {
+  int d = 0;
+  return hipGetDevice(&d) == hipSuccess ? d : 0;
+}
+inline int gpuMultiprocessorCount(int device) {
+  int n = 0;
+  return hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, device) == hipSuccess ? n : 1;
+}
+inline int gpuWarpSize(int device) {
+  int n = 0;
+  return hipDeviceGetAttribute(&n, hipDeviceAttributeWarpSize, device) == hipSuccess ? n : 64;
+}
+#endif
+
+#if defined(FK_GPU)
+// Butterfly exchange across the whole warp. Every lane of the warp must execute it.
+FK_DEVICE float shfl_xor(float v, int lane_mask) {
+#if defined(FK_CUDA)
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#else
+  return __shfl_xor(v, lane_mask);  // maskless on AMD: all lanes of the wavefront take part
+#endif
+}
+#endif
+
+// A kernel template instantiated for one wavefront width is compiled for every offload target
+// of a HIP fat binary; on a target of the other width its body is dead and becomes a trap, so
+// each target carries real code only for its own width (host code picks the width at run time).
+#if defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__)
+#define FK_WARP_SIZE_MISMATCH(kWarp) ((kWarp) != __AMDGCN_WAVEFRONT_SIZE)
+#else
+#define FK_WARP_SIZE_MISMATCH(kWarp) false
+#endif
+
+// ---- 16-bit float conversion instructions, device passes only ----
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+#define FK_HW_HALF 1
+namespace hw {
+FK_DEVICE float half_bits_to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+FK_DEVICE uint16_t float_to_half_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
+}  // namespace hw
+#if __CUDA_ARCH__ >= 800
+#define FK_HW_BF16 1
+namespace hw {
+FK_DEVICE uint16_t float_to_bf16_bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+}  // namespace hw
+#endif
+#elif defined(FK_HIP) && defined(FK_DEVICE_PASS)
+#define FK_HW_HALF 1  // _Float16 is native on every AMD target; bf16 stays in software (no hip_bf16.h in ROCm 5.2)
+namespace hw {
+FK_DEVICE float half_bits_to_float(uint16_t b) { return static_cast<float>(__builtin_bit_cast(_Float16, b)); }
+FK_DEVICE uint16_t float_to_half_bits(float f) { return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f)); }
+}  // namespace hw
+#endif
+
+}  // namespace fk

@@ -1,0 +1,305 @@
+// The GPU implementations (CUDA key; a ROCm torch dispatches HIP tensors through it too): check
+// the arguments, turn tensors into the torch-free params of flashkern/ops.h, launch on the
+// current stream. The checks mirror python/flashkern/_validate.py, which guards the CPU
+// reference and the fake functions, so a direct torch.ops caller gets the same TypeError or
+// ValueError on every device.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flashkern/ops.h"
+
+namespace {
+
+using at::Tensor;
+
+// The current stream of t's device as the runtime's handle (cudaStream_t or hipStream_t).
+void* current_stream(const Tensor& t) {
+  return c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()).native_handle();
+}
+
+void check_launch(const char* error, const char* op) { TORCH_CHECK(error == nullptr, op, ": kernel launch failed: ", error); }
+
+fk::DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return fk::DType::f16;
+    case at::kBFloat16:
+      return fk::DType::bf16;
+    default:
+      return fk::DType::f32;
+  }
+}
+
+void check_float(const char* op, const char* name, const Tensor& t) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK_TYPE(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat, op, ": ", name,
+                   " must be float16, bfloat16 or float32, got ", s);
+}
+
+void check_same(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref,
+                bool same_shape = true) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+                    ref.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have the dtype of ", ref_name, " (",
+                   ref.scalar_type(), "), got ", t.scalar_type());
+  if (same_shape)
+    TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ",
+                      ref.sizes(), ", got ", t.sizes());
+}
+
+void check_last_dim_contiguous(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1), op, ": ", name,
+                    " must be contiguous in its last dimension, got strides ", t.strides());
+}
+
+// Rows of t (all dimensions but the last) as a two-level RowLayout, or nothing when the leading
+// dimensions cannot be collapsed to two strides.
+std::optional<fk::RowLayout> row_layout(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (size, stride), outermost first, size-1 dims dropped
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (!dims.empty() && dims.back().second == t.stride(d) * t.size(d)) {
+      dims.back() = {dims.back().first * t.size(d), t.stride(d)};  // merge with the dimension before
+    } else {
+      dims.emplace_back(t.size(d), t.stride(d));
+    }
+  }
+  if (dims.empty()) return fk::RowLayout{0, 0, 1};
+  if (dims.size() == 1) return fk::RowLayout{dims[0].second, 0, 1};
+  if (dims.size() == 2) return fk::RowLayout{dims[0].second, dims[1].second, dims[1].first};
+  return std::nullopt;
+}
+
+// A tensor whose rows fit a RowLayout: t itself, or (rare: three or more non-mergeable leading
+// dimensions) a contiguous copy that `finish` copies back into t when t is written.
+struct Rows {
+  Tensor tensor;
+  fk::RowLayout layout;
+  Tensor original;  // defined when `tensor` is a copy
+
+  explicit Rows(const Tensor& t) {
+    if (auto l = row_layout(t)) {
+      tensor = t;
+      layout = *l;
+    } else {
+      original = t;
+      tensor = t.contiguous();
+      layout = *row_layout(tensor);
+    }
+  }
+  void finish() {
+    if (original.defined()) original.copy_(tensor);
+  }
+};
+
+int64_t num_rows(const Tensor& t) { return t.size(-1) == 0 ? 0 : t.numel() / t.size(-1); }
+
+// ---- rmsnorm ----
+
+void check_rmsnorm(const char* op, const Tensor& input, const Tensor& weight, double eps) {
+  TORCH_CHECK_VALUE(input.dim() == 2 || input.dim() == 3, op,
+                    ": input must be 2-D [tokens, hidden] or 3-D [tokens, heads, head_dim], got shape ",
+                    input.sizes());
+  check_float(op, "input", input);
+  TORCH_CHECK_VALUE(input.size(-1) > 0, op, ": the hidden size (last dimension of input) must be positive");
+  TORCH_CHECK_VALUE(weight.device() == input.device(), op, ": weight is on ", weight.device(), " but input is on ",
+                    input.device());
+  TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat, op,
+                   ": weight must be float32 or the dtype of input (", input.scalar_type(), "), got ",
+                   weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == input.size(-1), op, ": weight must have shape [",
+                    input.size(-1), "] to match the last dimension of input, got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ", weight.strides());
+  check_last_dim_contiguous(op, "input", input);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
+}
+
+void rmsnorm_launch(const char* op, const Tensor& out, const Tensor& input, const std::optional<Tensor>& residual,
+                    const Tensor& weight, double eps, double weight_offset) {
+  const c10::DeviceGuard guard(input.device());
+  Rows out_rows(out), input_rows(input);
+  std::optional<Rows> residual_rows;
+  if (residual) residual_rows.emplace(*residual);
+  fk::RmsnormParams p{};
+  p.out = out_rows.tensor.data_ptr();
+  p.input = input_rows.tensor.const_data_ptr();
+  p.residual = residual_rows ? residual_rows->tensor.data_ptr() : nullptr;
+  p.weight = weight.const_data_ptr();
+  p.out_rows = out_rows.layout;
+  p.input_rows = input_rows.layout;
+  if (residual_rows) p.residual_rows = residual_rows->layout;
+  p.rows = num_rows(input);
+  p.cols = input.size(-1);
+  p.dtype = to_dtype(input.scalar_type());
+  p.weight_dtype = to_dtype(weight.scalar_type());
+  p.eps = float(eps);
+  p.weight_offset = float(weight_offset);
+  check_launch(fk::launch_rmsnorm(p, current_stream(input)), op);
+  if (residual_rows) residual_rows->finish();
+  out_rows.finish();
+}
+
+void rmsnorm_out(Tensor& out, const Tensor& input, const Tensor& weight, double eps, double weight_offset) {
+  check_rmsnorm("rmsnorm", input, weight, eps);
+  check_same("rmsnorm", "out", out, "input", input);
+  check_last_dim_contiguous("rmsnorm", "out", out);
+  rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset);
+}
+
+Tensor rmsnorm(const Tensor& input, const Tensor& weight, double eps, double weight_offset) {
+  check_rmsnorm("rmsnorm", input, weight, eps);
+  Tensor out = at::empty(input.sizes(), input.options());
+  rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset);
+  return out;
+}
+
+void fused_add_rmsnorm(Tensor& input, Tensor& residual, const Tensor& weight, double eps, double weight_offset) {
+  check_rmsnorm("fused_add_rmsnorm", input, weight, eps);
+  check_same("fused_add_rmsnorm", "residual", residual, "input", input);
+  check_last_dim_contiguous("fused_add_rmsnorm", "residual", residual);
+  rmsnorm_launch("fused_add_rmsnorm", input, input, residual, weight, eps, weight_offset);
+}
+
+std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& grad_out, const Tensor& input, const Tensor& weight,
+                                            double eps, double weight_offset) {
+  const char* op = "rmsnorm_backward";
+  check_rmsnorm(op, input, weight, eps);
+  check_same(op, "grad_out", grad_out, "input", input);
+  check_last_dim_contiguous(op, "grad_out", grad_out);
+  const c10::DeviceGuard guard(input.device());
+  Tensor grad_input = at::empty(input.sizes(), input.options());
+  Tensor grad_weight = at::empty(weight.sizes(), weight.options());
+  Rows dx_rows(grad_input), dy_rows(grad_out), x_rows(input);
+  fk::RmsnormBackwardParams p{};
+  p.grad_input = dx_rows.tensor.data_ptr();
+  p.grad_weight = grad_weight.data_ptr();
+  p.grad_out = dy_rows.tensor.const_data_ptr();
+  p.input = x_rows.tensor.const_data_ptr();
+  p.weight = weight.const_data_ptr();
+  p.grad_input_rows = dx_rows.layout;
+  p.grad_out_rows = dy_rows.layout;
+  p.input_rows = x_rows.layout;
+  p.rows = num_rows(input);
+  p.cols = input.size(-1);
+  p.dtype = to_dtype(input.scalar_type());
+  p.weight_dtype = to_dtype(weight.scalar_type());
+  p.eps = float(eps);
+  p.weight_offset = float(weight_offset);
+  if (p.rows == 0) return {grad_input, grad_weight.zero_()};
+  const size_t workspace_bytes = fk::rmsnorm_backward_workspace_bytes(p);
+  Tensor workspace = at::empty({int64_t(workspace_bytes / sizeof(float))}, input.options().dtype(at::kFloat));
+  p.workspace = workspace.data_ptr<float>();
+  check_launch(fk::launch_rmsnorm_backward(p, current_stream(input)), op);
+  return {grad_input, grad_weight};
+}
+
+// ---- act_and_mul ----
+
+fk::Activation to_activation(const char* op, const std::string& name) {
+  if (name == "silu") return fk::Activation::silu;
+  if (name == "gelu") return fk::Activation::gelu;
+  if (name == "gelu_tanh") return fk::Activation::gelu_tanh;
+  TORCH_CHECK_VALUE(false, op, ": activation must be 'silu', 'gelu' or 'gelu_tanh', got '", name, "'");
+  return fk::Activation::silu;  // not reached
+}
+
+void check_act_and_mul(const char* op, const Tensor& input) {
+  TORCH_CHECK_VALUE(input.dim() >= 1, op, ": input must have at least one dimension, got a scalar");
+  check_float(op, "input", input);
+  TORCH_CHECK_VALUE(input.size(-1) % 2 == 0, op,
+                    ": the last dimension of input must be even (gate and up halves), got ", input.size(-1));
+  check_last_dim_contiguous(op, "input", input);
+}
+
+std::vector<int64_t> half_last_dim(const Tensor& t) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.back() /= 2;
+  return shape;
+}
+
+// Errors name the public op: silu_and_mul, gelu_and_mul, gelu_tanh_and_mul.
+std::string public_name(c10::string_view activation, const char* suffix = "") {
+  return std::string(activation) + "_and_mul" + suffix;
+}
+
+// out or grad_out of an *_and_mul op: input's device, dtype and shape with the last dimension halved.
+void check_half_output(const char* op, const char* name, const Tensor& t, const Tensor& input) {
+  check_same(op, name, t, "input", input, /*same_shape=*/false);
+  const std::vector<int64_t> expected = half_last_dim(input);
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), op, ": ", name, " must have shape ",
+                    at::IntArrayRef(expected), " (input's with the last dimension halved), got ", t.sizes());
+  check_last_dim_contiguous(op, name, t);
+}
+
+void act_and_mul_out(Tensor& out, const Tensor& input, c10::string_view activation) {
+  const fk::Activation act = to_activation("act_and_mul", std::string(activation));
+  const std::string name = public_name(activation);
+  const char* op = name.c_str();
+  check_act_and_mul(op, input);
+  check_half_output(op, "out", out, input);
+  const c10::DeviceGuard guard(input.device());
+  Rows out_rows(out), input_rows(input);
+  fk::ActAndMulParams p{};
+  p.out = out_rows.tensor.data_ptr();
+  p.input = input_rows.tensor.const_data_ptr();
+  p.out_rows = out_rows.layout;
+  p.input_rows = input_rows.layout;
+  p.rows = num_rows(input);
+  p.cols = input.size(-1) / 2;
+  p.dtype = to_dtype(input.scalar_type());
+  p.act = act;
+  check_launch(fk::launch_act_and_mul(p, current_stream(input)), op);
+  out_rows.finish();
+}
+
+Tensor act_and_mul(const Tensor& input, c10::string_view activation) {
+  to_activation("act_and_mul", std::string(activation));
+  check_act_and_mul(public_name(activation).c_str(), input);
+  Tensor out = at::empty(half_last_dim(input), input.options());
+  act_and_mul_out(out, input, activation);
+  return out;
+}
+
+Tensor act_and_mul_backward(const Tensor& grad_out, const Tensor& input, c10::string_view activation) {
+  const fk::Activation act = to_activation("act_and_mul", std::string(activation));
+  const std::string name = public_name(activation, "_backward");
+  const char* op = name.c_str();
+  check_act_and_mul(op, input);
+  check_half_output(op, "grad_out", grad_out, input);
+  const c10::DeviceGuard guard(input.device());
+  Tensor grad_input = at::empty(input.sizes(), input.options());
+  Rows dx_rows(grad_input), dy_rows(grad_out), x_rows(input);
+  fk::ActAndMulBackwardParams p{};
+  p.grad_input = dx_rows.tensor.data_ptr();
+  p.grad_out = dy_rows.tensor.const_data_ptr();
+  p.input = x_rows.tensor.const_data_ptr();
+  p.grad_input_rows = dx_rows.layout;
+  p.grad_out_rows = dy_rows.layout;
+  p.input_rows = x_rows.layout;
+  p.rows = num_rows(input);
+  p.cols = input.size(-1) / 2;
+  p.dtype = to_dtype(input.scalar_type());
+  p.act = act;
+  check_launch(fk::launch_act_and_mul_backward(p, current_stream(input)), op);
+  return grad_input;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashkern, CUDA, m) {
+  m.impl("rmsnorm", &rmsnorm);
+  m.impl("rmsnorm_out", &rmsnorm_out);
+  m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
+  m.impl("rmsnorm_backward", &rmsnorm_backward);
+  m.impl("act_and_mul", &act_and_mul);
+  m.impl("act_and_mul_out", &act_and_mul_out);
+  m.impl("act_and_mul_backward", &act_and_mul_backward);
+}

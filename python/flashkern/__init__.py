@@ -1,0 +1,32 @@
+"""flashkern: hand-written CUDA and HIP kernels for LLM inference and training, as PyTorch ops.
+
+Every op runs the kernel for its tensors' device (CUDA on NVIDIA, HIP on AMD ROCm) and the
+pure-torch reference on CPU; see flashkern.info() for what this build has.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers the op schemas: torch.ops.flashkern.*)
+from . import ref
+from ._backend import get_backend, set_backend
+from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
+from .check import check
+from .info import info
+from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "check",
+    "fused_add_rmsnorm",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "gemma_fused_add_rmsnorm",
+    "gemma_rmsnorm",
+    "get_backend",
+    "info",
+    "ref",
+    "rmsnorm",
+    "set_backend",
+    "silu_and_mul",
+]

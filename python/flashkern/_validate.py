@@ -1,0 +1,102 @@
+"""Argument checks for every op, shared by the CPU reference, the fake (meta) functions and the
+reference fallback on GPU tensors. csrc/torch/gpu_ops.cpp makes the same checks for the GPU
+kernels, so each path raises the same TypeError or ValueError naming the argument and value."""
+
+import math
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)  # float64: the reference only, for gradcheck
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _names(dtypes):
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(op, name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_float(op, name, t, reference):
+    allowed = REFERENCE_DTYPES if reference else KERNEL_DTYPES
+    if t.dtype not in allowed:
+        raise TypeError(f"{op}: {name} must be {_names(allowed)}, got {t.dtype}")
+
+
+def check_same(op, name, t, ref_name, ref, same_shape=True):
+    check_tensor(op, name, t)
+    if t.device != ref.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+    if same_shape and t.shape != ref.shape:
+        raise ValueError(f"{op}: {name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(op, name, t):
+    if t.dim() < 1 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        raise ValueError(f"{op}: {name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def check_rmsnorm(op, input, weight, eps, reference):
+    check_tensor(op, "input", input)
+    check_tensor(op, "weight", weight)
+    if input.dim() not in (2, 3):
+        raise ValueError(
+            f"{op}: input must be 2-D [tokens, hidden] or 3-D [tokens, heads, head_dim], got shape {tuple(input.shape)}"
+        )
+    check_float(op, "input", input, reference)
+    if input.shape[-1] == 0:
+        raise ValueError(f"{op}: the hidden size (last dimension of input) must be positive")
+    if weight.device != input.device:
+        raise ValueError(f"{op}: weight is on {weight.device} but input is on {input.device}")
+    if weight.dtype not in (input.dtype, torch.float32):
+        raise TypeError(f"{op}: weight must be float32 or the dtype of input ({input.dtype}), got {weight.dtype}")
+    if weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
+        raise ValueError(
+            f"{op}: weight must have shape [{input.shape[-1]}] to match the last dimension of input, "
+            f"got {tuple(weight.shape)}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be contiguous, got strides {weight.stride()}")
+    check_last_dim_contiguous(op, "input", input)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def check_act_and_mul(op, input, reference):
+    check_tensor(op, "input", input)
+    if input.dim() < 1:
+        raise ValueError(f"{op}: input must have at least one dimension, got a scalar")
+    check_float(op, "input", input, reference)
+    if input.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"{op}: the last dimension of input must be even (gate and up halves), got {input.shape[-1]}"
+        )
+    check_last_dim_contiguous(op, "input", input)
+
+
+def check_activation(op, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
+
+
+def half_last_dim(shape):
+    return (*shape[:-1], shape[-1] // 2)
+
+
+def check_act_and_mul_output(op, name, t, input):
+    check_tensor(op, name, t)
+    if t.device != input.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but input is on {input.device}")
+    if t.dtype != input.dtype:
+        raise TypeError(f"{op}: {name} must have the dtype of input ({input.dtype}), got {t.dtype}")
+    expected = half_last_dim(input.shape)
+    if tuple(t.shape) != expected:
+        raise ValueError(
+            f"{op}: {name} must have shape {expected} (input's with the last dimension halved), got {tuple(t.shape)}"
+        )
+    check_last_dim_contiguous(op, name, t)

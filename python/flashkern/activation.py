@@ -1,0 +1,121 @@
+"""Gated activations: silu_and_mul (SwiGLU), gelu_and_mul and gelu_tanh_and_mul (GeGLU).
+
+One op, torch.ops.flashkern.act_and_mul, serves all three through its activation argument.
+Order in this file: public functions, CPU reference registration, fake functions, autograd.
+"""
+
+import torch
+
+from . import _backend, ref
+from ._validate import (
+    check_act_and_mul,
+    check_act_and_mul_output,
+    check_activation,
+    half_last_dim,
+)
+
+_ops = torch.ops.flashkern
+
+
+def _act_and_mul(input, activation, out):
+    if _backend.use_reference(input.device):
+        _check(input, activation, reference=True)
+        y = ref.act_and_mul(input, activation)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        return _ops.act_and_mul(input, activation)
+    if torch.is_grad_enabled() and input.requires_grad:
+        raise RuntimeError(
+            f"{activation}_and_mul(): functions with out=... arguments don't support automatic differentiation"
+        )
+    _ops.act_and_mul_out(out, input, activation)
+    return out
+
+
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """SwiGLU: ``silu(input[..., :d]) * input[..., d:]`` for input ``[..., 2d]``; returns ``[..., d]``.
+
+    float16, bfloat16 or float32, last dimension contiguous; math in float32. Differentiable when
+    ``out`` is None.
+    """
+    return _act_and_mul(input, "silu", out)
+
+
+def gelu_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """GeGLU with the exact (erf) GELU: ``gelu(input[..., :d]) * input[..., d:]``; see silu_and_mul."""
+    return _act_and_mul(input, "gelu", out)
+
+
+def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """GeGLU with the tanh-approximated GELU: ``gelu_tanh(input[..., :d]) * input[..., d:]``."""
+    return _act_and_mul(input, "gelu_tanh", out)
+
+
+# ---- CPU: the reference, with the same checks as the kernels ----
+# Errors name the public op (silu_and_mul, ...), as the kernels' checks do.
+
+
+def _check(input, activation, reference, backward=False):
+    check_activation("act_and_mul", activation)
+    op = f"{activation}_and_mul" + ("_backward" if backward else "")
+    check_act_and_mul(op, input, reference)
+    return op
+
+
+@torch.library.impl("flashkern::act_and_mul", "cpu")
+def _act_and_mul_cpu(input, activation):
+    _check(input, activation, reference=True)
+    return ref.act_and_mul(input, activation).contiguous()
+
+
+@torch.library.impl("flashkern::act_and_mul_out", "cpu")
+def _act_and_mul_out_cpu(out, input, activation):
+    check_act_and_mul_output(_check(input, activation, reference=True), "out", out, input)
+    out.copy_(ref.act_and_mul(input, activation))
+
+
+@torch.library.impl("flashkern::act_and_mul_backward", "cpu")
+def _act_and_mul_backward_cpu(grad_out, input, activation):
+    op = _check(input, activation, reference=True, backward=True)
+    check_act_and_mul_output(op, "grad_out", grad_out, input)
+    return ref.act_and_mul_backward(grad_out, input, activation).contiguous()
+
+
+# ---- fake functions ----
+
+
+@torch.library.register_fake("flashkern::act_and_mul")
+def _act_and_mul_fake(input, activation):
+    _check(input, activation, reference=input.device.type == "cpu")
+    return input.new_empty(half_last_dim(input.shape))
+
+
+@torch.library.register_fake("flashkern::act_and_mul_out")
+def _act_and_mul_out_fake(out, input, activation):
+    check_act_and_mul_output(_check(input, activation, reference=input.device.type == "cpu"), "out", out, input)
+
+
+@torch.library.register_fake("flashkern::act_and_mul_backward")
+def _act_and_mul_backward_fake(grad_out, input, activation):
+    op = _check(input, activation, reference=input.device.type == "cpu", backward=True)
+    check_act_and_mul_output(op, "grad_out", grad_out, input)
+    return input.new_empty(input.shape)
+
+
+# ---- autograd ----
+
+
+def _setup_context(ctx, inputs, output):
+    input, activation = inputs
+    ctx.save_for_backward(input)
+    ctx.activation = activation
+
+
+def _backward(ctx, grad):
+    (input,) = ctx.saved_tensors
+    if grad.dim() >= 1 and grad.shape[-1] > 1 and grad.stride(-1) != 1:
+        grad = grad.contiguous()
+    return _ops.act_and_mul_backward(grad, input, ctx.activation), None
+
+
+torch.library.register_autograd("flashkern::act_and_mul", _backward, setup_context=_setup_context)

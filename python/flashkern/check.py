@@ -1,0 +1,65 @@
+"""`flashkern check`: every op on every available device against the float64 reference."""
+
+import torch
+
+from . import _backend, activation, norm, ref
+from .tolerances import tolerance
+
+SHAPES = {"norm": [(1, 1), (37, 769), (4, 4096), (3, 5, 128)], "act": [(1, 2), (37, 2 * 769), (4, 2 * 4096)]}
+
+
+def _rand(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def _cases(device, dtype, gen):
+    """Yields (op, shape, actual, expected) for one device and dtype."""
+    for shape in SHAPES["norm"]:
+        x, res = _rand(shape, dtype, device, gen), _rand(shape, dtype, device, gen)
+        w = _rand(shape[-1:], dtype, device, gen)
+        for op, fn, offset in (("rmsnorm", norm.rmsnorm, 0.0), ("gemma_rmsnorm", norm.gemma_rmsnorm, 1.0)):
+            yield op, shape, fn(x, w), ref.rmsnorm(x.double(), w.double(), 1e-6, offset)
+        for op, fn, offset in (
+            ("fused_add_rmsnorm", norm.fused_add_rmsnorm, 0.0),
+            ("gemma_fused_add_rmsnorm", norm.gemma_fused_add_rmsnorm, 1.0),
+        ):
+            xi, ri = x.clone(), res.clone()
+            fn(xi, ri, w)
+            expected_y, expected_r = ref.fused_add_rmsnorm(x.double(), res.double(), w.double(), 1e-6, offset)
+            yield op, shape, torch.cat([xi.flatten(), ri.flatten()]), torch.cat(
+                [expected_y.flatten(), expected_r.flatten()]
+            )
+    for shape in SHAPES["act"]:
+        x = _rand(shape, dtype, device, gen)
+        for name in ("silu", "gelu", "gelu_tanh"):
+            fn = getattr(activation, f"{name}_and_mul")
+            yield f"{name}_and_mul", shape, fn(x), ref.act_and_mul(x.double(), name)
+
+
+def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list:
+    """Rows of (op, device, backend, dtype, shape, max abs error, passed), one per case."""
+    if devices is None:
+        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for device in devices:
+        backend = _backend.backend_for(torch.device(device))
+        for dtype in dtypes:
+            for op, shape, actual, expected in _cases(device, dtype, gen):
+                actual = actual.double().cpu()
+                expected = expected.cpu()
+                tol = tolerance(dtype)
+                err = (actual - expected).abs()
+                passed = bool((err <= tol["atol"] + tol["rtol"] * expected.abs()).all())
+                rows.append(
+                    {
+                        "op": op,
+                        "device": device,
+                        "backend": backend,
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "shape": tuple(shape),
+                        "max_abs_err": float(err.max()),
+                        "passed": passed,
+                    }
+                )
+    return rows

@@ -1,0 +1,62 @@
+"""What this flashkern build has and what runs where: flashkern.info() and `flashkern info`."""
+
+import torch
+
+from . import _backend
+
+OPS = (
+    "rmsnorm",
+    "fused_add_rmsnorm",
+    "gemma_rmsnorm",
+    "gemma_fused_add_rmsnorm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+)
+
+
+def _arch_warp_size(arch: str) -> int:
+    """32 on NVIDIA and RDNA (gfx10+), 64 on CDNA/GCN (gfx9 and older)."""
+    if arch.startswith("gfx"):
+        return 64 if len(arch.split(":")[0]) == 6 else 32  # gfx9xx: 3 characters, gfx1xxx: 4
+    return 32
+
+
+def _gpu_devices():
+    if not torch.cuda.is_available():
+        return []
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        devices.append(
+            {
+                "device": f"cuda:{i}",
+                "name": props.name,
+                "arch": getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}",
+                "multiprocessors": props.multi_processor_count,
+                "warp_size": getattr(props, "warp_size", None),
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "backend": _backend.backend_for(torch.device("cuda", i)),
+            }
+        )
+    return devices
+
+
+def info() -> dict:
+    """Build (backend, architectures, warp sizes), torch, visible devices and which backend runs each op."""
+    devices = [{"device": "cpu", "name": "host", "backend": _backend.backend_for(torch.device("cpu"))}]
+    devices += _gpu_devices()
+    from . import __version__
+
+    return {
+        "flashkern": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": torch.version.hip,
+        "built_backend": _backend.BUILT,
+        "built_archs": _backend.ARCHS,
+        "warp_sizes": {arch: _arch_warp_size(arch) for arch in _backend.ARCHS},
+        "forced_backend": _backend.get_backend(),
+        "devices": devices,
+        "ops": {op: {d["device"]: d["backend"] for d in devices} for op in OPS},
+    }

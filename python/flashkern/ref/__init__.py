@@ -1,0 +1,11 @@
+"""Pure-torch references of every flashkern op.
+
+They are the CPU implementations (registered under the CPU key) and the test oracles. Math is
+done in float32 for float16/bfloat16/float32 inputs, as the kernels do, and in float64 for
+float64 inputs, so calling them on float64 copies gives the exact answer to compare against.
+"""
+
+from .activation import act_and_mul, act_and_mul_backward
+from .norm import fused_add_rmsnorm, rmsnorm, rmsnorm_backward
+
+__all__ = ["act_and_mul", "act_and_mul_backward", "fused_add_rmsnorm", "rmsnorm", "rmsnorm_backward"]
