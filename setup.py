@@ -27,12 +27,21 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = {"cuda": "80-real;90", "hip": "gfx90a;gfx942;gfx1100"}
 
 
-def find_nvcc():
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
-        return Path(cuda_home) / "bin" / "nvcc"
+def find_cuda_home():
+    """The CUDA toolkit: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, or the one around the nvcc on PATH."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     nvcc = shutil.which("nvcc")
-    return Path(nvcc).resolve() if nvcc else None
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    for home in filter(None, candidates):
+        if (Path(home) / "bin" / "nvcc").exists():
+            return Path(home)
+    return None
+
+
+def find_nvcc():
+    home = find_cuda_home()
+    return home / "bin" / "nvcc" if home else None
 
 
 def choose_backend():
@@ -83,7 +92,7 @@ def extension():
     libraries, library_dirs = [], []
     if BACKEND == "cuda":
         sources.append("csrc/torch/gpu_ops.cpp")
-        cuda_home = find_nvcc().parent.parent
+        cuda_home = find_cuda_home()
         libraries.append("cudart")
         library_dirs += [str(cuda_home / "lib64"), str(cuda_home / "lib")]
     elif BACKEND == "hip":

@@ -60,22 +60,11 @@ void check_last_dim_contiguous(const char* op, const char* name, const Tensor& t
                     " must be contiguous in its last dimension, got strides ", t.strides());
 }
 
-// Rows of t (all dimensions but the last) as a two-level RowLayout, or nothing when the leading
-// dimensions cannot be collapsed to two strides.
+// Rows of t (all dimensions but the last) as a two-level RowLayout, or nothing (see collapse_rows).
 std::optional<fk::RowLayout> row_layout(const Tensor& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (size, stride), outermost first, size-1 dims dropped
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
-    if (t.size(d) == 1) continue;
-    if (!dims.empty() && dims.back().second == t.stride(d) * t.size(d)) {
-      dims.back() = {dims.back().first * t.size(d), t.stride(d)};  // merge with the dimension before
-    } else {
-      dims.emplace_back(t.size(d), t.stride(d));
-    }
-  }
-  if (dims.empty()) return fk::RowLayout{0, 0, 1};
-  if (dims.size() == 1) return fk::RowLayout{dims[0].second, 0, 1};
-  if (dims.size() == 2) return fk::RowLayout{dims[0].second, dims[1].second, dims[1].first};
-  return std::nullopt;
+  fk::RowLayout layout;
+  if (!fk::collapse_rows(t.sizes().data(), t.strides().data(), int(t.dim()) - 1, &layout)) return std::nullopt;
+  return layout;
 }
 
 // A tensor whose rows fit a RowLayout: t itself, or (rare: three or more non-mergeable leading

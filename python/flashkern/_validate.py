@@ -12,7 +12,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def _names(dtypes):
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    names = [str(d).replace("torch.", "") for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_tensor(op, name, t):

@@ -11,6 +11,7 @@ from ._validate import (
     check_act_and_mul,
     check_act_and_mul_output,
     check_activation,
+    check_tensor,
     half_last_dim,
 )
 
@@ -18,6 +19,7 @@ _ops = torch.ops.flashkern
 
 
 def _act_and_mul(input, activation, out):
+    check_tensor(f"{activation}_and_mul", "input", input)
     if _backend.use_reference(input.device):
         _check(input, activation, reference=True)
         y = ref.act_and_mul(input, activation)

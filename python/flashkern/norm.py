@@ -7,7 +7,7 @@ Order in this file: public functions, CPU reference registration, fake functions
 import torch
 
 from . import _backend, ref
-from ._validate import check_last_dim_contiguous, check_rmsnorm, check_same
+from ._validate import check_last_dim_contiguous, check_rmsnorm, check_same, check_tensor
 
 _ops = torch.ops.flashkern
 
@@ -18,6 +18,7 @@ def _no_grad_for_out(op, *tensors):
 
 
 def _rmsnorm(input, weight, eps, weight_offset, out):
+    check_tensor("rmsnorm", "input", input)
     if _backend.use_reference(input.device):
         check_rmsnorm("rmsnorm", input, weight, eps, reference=True)
         y = ref.rmsnorm(input, weight, eps, weight_offset)
@@ -30,6 +31,7 @@ def _rmsnorm(input, weight, eps, weight_offset, out):
 
 
 def _fused_add_rmsnorm(input, residual, weight, eps, weight_offset):
+    check_tensor("fused_add_rmsnorm", "input", input)
     if _backend.use_reference(input.device):
         check_rmsnorm("fused_add_rmsnorm", input, weight, eps, reference=True)
         check_same("fused_add_rmsnorm", "residual", residual, "input", input)

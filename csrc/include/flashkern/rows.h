@@ -28,6 +28,33 @@ struct RowLayout {
   }
 };
 
+// The rows of a tensor whose last dimension is contiguous: its leading dimensions (sizes and
+// strides, outermost first) collapsed into a RowLayout. Dimensions of size 1 are dropped and a
+// dimension merges into the one before it when that one steps over it exactly. False when more
+// than two levels remain (the caller then works on a contiguous copy).
+FK_HOST_DEVICE bool collapse_rows(const int64_t* sizes, const int64_t* strides, int leading_dims, RowLayout* out) {
+  int64_t size[2] = {1, 1}, stride[2] = {0, 0};
+  int levels = 0;
+  for (int d = 0; d < leading_dims; ++d) {
+    if (sizes[d] == 1) continue;
+    if (levels > 0 && stride[levels - 1] == strides[d] * sizes[d]) {
+      size[levels - 1] *= sizes[d];
+      stride[levels - 1] = strides[d];
+    } else {
+      if (levels == 2) return false;
+      size[levels] = sizes[d];
+      stride[levels] = strides[d];
+      ++levels;
+    }
+  }
+  if (levels < 2) {
+    *out = RowLayout{stride[0], 0, 1};
+  } else {
+    *out = RowLayout{stride[0], stride[1], size[1]};
+  }
+  return true;
+}
+
 FK_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 FK_HOST_DEVICE int next_pow2(int64_t x) {

@@ -15,14 +15,8 @@
 
 namespace fk {
 
-inline constexpr RowPlanLimits kRmsnormLimits{1024, 8, 4, 256};
-// With a residual every vector is loaded twice; half the threads per block leave each thread the
-// registers to keep all of those loads in flight without spilling.
-inline constexpr RowPlanLimits kFusedAddRmsnormLimits{512, 8, 4, 256};
 template <bool kResidual>
 inline constexpr RowPlanLimits kRmsnormLimitsFor = kResidual ? kFusedAddRmsnormLimits : kRmsnormLimits;
-// The backward keeps x, dy and the dw partial sums of its columns in registers: fewer of each.
-inline constexpr RowPlanLimits kRmsnormBackwardLimits{512, 4, 2, 256};
 
 // The columns of vector v of a row: how many of its kVec elements exist (0 past the end).
 template <int kVec>
@@ -33,7 +27,7 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
 
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
 FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
-  constexpr int kMaxVecs = kRmsnormLimits.max_vecs_per_thread;
+  constexpr int kMaxVecs = kRmsnormLimitsFor<kResidual>.max_vecs_per_thread;
   __shared__ float scratch[RowGroup<kWarp>::kMaxWarps];
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};

@@ -1,0 +1,70 @@
+// C entry points over the host-device code of csrc/include/flashkern (no GPU needed), loaded by
+// tests/test_host_code.py with ctypes and checked against torch on the CPU.
+#include <cstdint>
+
+#include "flashkern/activations.h"
+#include "flashkern/numeric.h"
+#include "flashkern/ops.h"
+#include "flashkern/rows.h"
+
+extern "C" {
+
+void fk_half_to_float(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fk::to_float(fk::half_t{in[i]});
+}
+void fk_float_to_half(const float* in, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fk::from_float<fk::half_t>(in[i]).bits;
+}
+void fk_bf16_to_float(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fk::to_float(fk::bf16_t{in[i]});
+}
+void fk_float_to_bf16(const float* in, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fk::from_float<fk::bf16_t>(in[i]).bits;
+}
+
+// limits: 0 rmsnorm, 1 fused_add_rmsnorm, 2 rmsnorm backward.
+// out: threads_per_row, rows_per_block, vecs_per_thread, in_registers, block_threads, blocks
+void fk_plan_rows(int64_t rows, int64_t cols, int vec, int limits, int64_t* out) {
+  const fk::RowPlanLimits lim =
+      limits == 0 ? fk::kRmsnormLimits : (limits == 1 ? fk::kFusedAddRmsnormLimits : fk::kRmsnormBackwardLimits);
+  const fk::RowPlan p = fk::plan_rows(rows, cols, vec, lim);
+  const int64_t values[] = {p.threads_per_row, p.rows_per_block, p.vecs_per_thread, p.in_registers,
+                            p.block_threads,   p.blocks};
+  for (int i = 0; i < 6; ++i) out[i] = values[i];
+}
+void fk_plan_limits(int limits, int64_t* out) {
+  const fk::RowPlanLimits lim =
+      limits == 0 ? fk::kRmsnormLimits : (limits == 1 ? fk::kFusedAddRmsnormLimits : fk::kRmsnormBackwardLimits);
+  out[0] = lim.max_block_threads;
+  out[1] = lim.max_vecs_per_thread;
+}
+
+// Offsets of every row of a tensor with the given leading sizes/strides; returns 0 when the
+// leading dimensions do not collapse to a RowLayout.
+int fk_row_offsets(const int64_t* sizes, const int64_t* strides, int leading_dims, int64_t rows, int64_t* out) {
+  fk::RowLayout layout;
+  if (!fk::collapse_rows(sizes, strides, leading_dims, &layout)) return 0;
+  for (int64_t r = 0; r < rows; ++r) out[r] = layout.offset(r);
+  return 1;
+}
+
+// activation: 0 silu, 1 gelu, 2 gelu_tanh
+void fk_activation(int activation, const float* x, float* f, float* df, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    switch (activation) {
+      case 0:
+        f[i] = fk::Act<fk::Activation::silu>::f(x[i]);
+        df[i] = fk::Act<fk::Activation::silu>::df(x[i]);
+        break;
+      case 1:
+        f[i] = fk::Act<fk::Activation::gelu>::f(x[i]);
+        df[i] = fk::Act<fk::Activation::gelu>::df(x[i]);
+        break;
+      default:
+        f[i] = fk::Act<fk::Activation::gelu_tanh>::f(x[i]);
+        df[i] = fk::Act<fk::Activation::gelu_tanh>::df(x[i]);
+    }
+  }
+}
+
+}  // extern "C"

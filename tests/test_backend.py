@@ -1,0 +1,94 @@
+"""Backend selection, flashkern.info() and the `flashkern` command."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import GPU, assert_close, rand, requires_gpu
+
+import flashkern
+from flashkern import _backend, ref
+
+
+def run_cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "flashkern", *args], capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+def test_info_describes_the_build():
+    data = flashkern.info()
+    assert data["built_backend"] in ("cuda", "hip", "cpu")
+    assert data["torch"] == torch.__version__
+    if data["built_backend"] == "cuda":
+        assert any(a.startswith("80") for a in data["built_archs"]) and any(a.startswith("90") for a in data["built_archs"])
+        assert set(data["warp_sizes"].values()) == {32}
+    cpu = data["devices"][0]
+    assert cpu["device"] == "cpu" and cpu["backend"] == "reference"
+    assert set(data["ops"]) >= {"rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "silu_and_mul", "gelu_and_mul"}
+    assert all(where["cpu"] == "reference" for where in data["ops"].values())
+    if GPU:
+        assert data["devices"][1]["backend"] == data["built_backend"]
+
+
+def test_warp_size_by_architecture():
+    from flashkern.info import _arch_warp_size
+
+    assert [_arch_warp_size(a) for a in ("90", "80-real", "gfx90a", "gfx942", "gfx1030", "gfx1100")] == [
+        32, 32, 64, 64, 32, 32,
+    ]
+
+
+def test_cli_info_and_check():
+    info = run_cli("info", "--json")
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["built_backend"] == flashkern.info()["built_backend"]
+    text = run_cli("info")
+    assert "devices:" in text.stdout and "rmsnorm" in text.stdout
+    check = run_cli("check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    last = check.stdout.strip().splitlines()[-1]
+    assert last.endswith("passed, 0 failed") and not last.startswith("0 passed")
+
+
+def test_check_catches_a_wrong_answer(monkeypatch):
+    """check() compares, it does not just run: a broken op shows up as FAIL."""
+    check_module = importlib.import_module("flashkern.check")  # flashkern.check is the function
+
+    monkeypatch.setattr(check_module.norm, "rmsnorm", lambda x, w, **kw: ref.rmsnorm(x, w) * 1.01)
+    rows = flashkern.check(devices=["cpu"], dtypes=(torch.float32,))
+    failed = {r["op"] for r in rows if not r["passed"]}
+    assert failed == {"rmsnorm"}
+
+
+def test_forced_backend_from_environment(monkeypatch):
+    env = {**os.environ, "FLASHKERN_BACKEND": "reference"}
+    out = run_cli("info", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["forced_backend"] == "reference"
+    env["FLASHKERN_BACKEND"] = "nonsense"
+    bad = run_cli("info", env=env)
+    assert bad.returncode != 0 and "FLASHKERN_BACKEND must be one of" in bad.stderr
+
+
+def test_reference_is_used_for_gpu_tensors_when_no_kernels(monkeypatch):
+    """A GPU tensor with a build that has no kernels for it falls back to the reference quietly."""
+    monkeypatch.setattr(_backend, "kernels_usable", lambda: False)
+    assert _backend.use_reference(torch.device("cuda", 0))
+    assert _backend.backend_for(torch.device("cuda", 0)) == "reference"
+    assert not _backend.use_reference(torch.device("cpu"))
+
+
+@requires_gpu
+def test_forced_reference_on_gpu():
+    x, w = rand((37, 769), torch.bfloat16, "cuda"), rand((769,), torch.bfloat16, "cuda", seed=1)
+    previous = flashkern.set_backend("reference")
+    try:
+        assert flashkern.info()["devices"][1]["backend"] == "reference"
+        assert_close(flashkern.rmsnorm(x, w), ref.rmsnorm(x.double(), w.double()))
+    finally:
+        flashkern.set_backend(previous)

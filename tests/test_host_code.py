@@ -1,0 +1,168 @@
+"""The host-device code of csrc/include/flashkern, compiled for the host and checked on the CPU:
+16-bit float conversions (bit-exact against torch), launch planning, row indexing and the
+activation math. The same functions run inside the kernels."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import flashkern.ref.activation as ref_act
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    so = tmp_path_factory.mktemp("host") / "libfkhost.so"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{ROOT / 'csrc' / 'include'}",
+         str(ROOT / "tests" / "host" / "host_code.cpp"), "-o", str(so)],
+        check=True,
+    )
+    return ctypes.CDLL(str(so))
+
+
+def ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def call_convert(lib, name, values, out_dtype):
+    values = np.ascontiguousarray(values)
+    out = np.empty(values.shape, dtype=out_dtype)
+    getattr(lib, name)(ptr(values), ptr(out), ctypes.c_int64(values.size))
+    return out
+
+
+def all_16bit_patterns():
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16)
+
+
+@pytest.mark.parametrize("fmt,torch_dtype", [("half", torch.float16), ("bf16", torch.bfloat16)])
+def test_16bit_to_float_exhaustive(lib, fmt, torch_dtype):
+    bits = all_16bit_patterns()
+    ours = call_convert(lib, f"fk_{fmt}_to_float", bits, np.float32)
+    theirs = torch.from_numpy(bits.view(np.int16)).view(torch_dtype).float().numpy()
+    nan = np.isnan(theirs)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours[~nan].view(np.uint32), theirs[~nan].view(np.uint32))  # bit-exact, signed zeros too
+
+
+def float_probes():
+    """Every 16-bit value, the midpoints between neighbours (ties), their neighbours, edges and random bits."""
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.99, 65520.0, 65536.0, 2.0**-24, 2.0**-25, 2.0**-26,
+         3 * 2.0**-26, 2.0**-14, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0 + 2.0**-11, 1.0 + 2.0**-8],
+        dtype=np.float32,
+    )
+    half_values = torch.from_numpy(all_16bit_patterns().view(np.int16)).view(torch.float16).float().numpy()
+    bf16_values = torch.from_numpy(all_16bit_patterns().view(np.int16)).view(torch.bfloat16).float().numpy()
+    pts = []
+    for v in (half_values, bf16_values):
+        v = np.sort(v[np.isfinite(v)])
+        mid = (v[:-1].astype(np.float64) + v[1:].astype(np.float64)) / 2
+        mid32 = mid.astype(np.float32)
+        pts += [v, mid32, np.nextafter(mid32, np.float32(np.inf)), np.nextafter(mid32, np.float32(-np.inf))]
+    return np.concatenate([edges, random_bits] + pts).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt,torch_dtype", [("half", torch.float16), ("bf16", torch.bfloat16)])
+def test_float_to_16bit_round_to_nearest_even(lib, fmt, torch_dtype):
+    x = float_probes()
+    ours = call_convert(lib, f"fk_float_to_{fmt}", x, np.uint16)
+    theirs = torch.from_numpy(x).to(torch_dtype).view(torch.int16).numpy().view(np.uint16)
+    ours_f = torch.from_numpy(ours.view(np.int16)).view(torch_dtype).float().numpy()
+    nan = np.isnan(x)
+    assert np.isnan(ours_f[nan]).all(), "NaN must stay NaN"
+    mismatch = np.flatnonzero(ours[~nan] != theirs[~nan])
+    assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. {x[~nan][mismatch[:5]]}"
+
+
+LIMITS = {0: "rmsnorm", 1: "fused_add_rmsnorm", 2: "rmsnorm_backward"}
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+def test_plan_rows_invariants(lib, limits):
+    lim = np.empty(2, dtype=np.int64)
+    lib.fk_plan_limits(ctypes.c_int(limits), ptr(lim))
+    max_threads, max_vecs = int(lim[0]), int(lim[1])
+    out = np.empty(6, dtype=np.int64)
+    cols_list = [1, 2, 7, 8, 64, 111, 128, 769, 4096, 5125, 8192, 16384, 32768, 65536, 1 << 20]
+    for rows in [1, 2, 3, 37, 989, 100000]:
+        for cols in cols_list:
+            for vec in (1, 4, 8):
+                lib.fk_plan_rows(ctypes.c_int64(rows), ctypes.c_int64(cols), ctypes.c_int(vec), ctypes.c_int(limits), ptr(out))
+                tpr, rpb, vpt, in_regs, block, blocks = (int(v) for v in out)
+                row_vecs = -(-cols // vec)
+                ctx = f"rows={rows} cols={cols} vec={vec}: {out.tolist()}"
+                assert tpr & (tpr - 1) == 0 and 1 <= tpr <= max_threads, ctx
+                assert block == tpr * rpb and block <= max_threads, ctx
+                assert rpb == 1 or tpr * rpb <= 256, ctx
+                assert vpt * tpr >= row_vecs and (vpt - 1) * tpr < row_vecs, ctx  # covers the row, no empty vector slot
+                assert bool(in_regs) == (vpt <= max_vecs), ctx
+                assert blocks * rpb >= rows and (blocks - 1) * rpb < rows, ctx  # every row, no empty block
+                if row_vecs <= max_threads * max_vecs:
+                    assert in_regs, f"a row that fits in registers must be kept there: {ctx}"
+
+
+def test_plan_rows_examples(lib):
+    out = np.empty(6, dtype=np.int64)
+
+    def plan(rows, cols, vec, limits=0):
+        lib.fk_plan_rows(ctypes.c_int64(rows), ctypes.c_int64(cols), ctypes.c_int(vec), ctypes.c_int(limits), ptr(out))
+        return out.tolist()
+
+    assert plan(1, 4096, 8) == [128, 1, 4, 1, 128, 1]  # one decode row of Llama-8B: 128 threads, 4 vectors each
+    assert plan(1000, 128, 8) == [4, 64, 4, 1, 256, 16]  # per-head q/k norm: 64 rows per 256-thread block
+    assert plan(3, 65536, 8) == [1024, 1, 8, 1, 1024, 3]  # 64K bf16 still fits in registers
+    assert plan(3, 65536, 4)[3] == 0  # 64K fp32 does not: streamed
+
+
+def layouts():
+    """(tensor, collapses to two levels?): views of an arange, so an element's value is its storage index."""
+    base = torch.arange(4 * 5 * 6 * 8).reshape(4, 5, 6, 8)
+    return [
+        (base.reshape(120, 8), True),
+        (base.reshape(120, 8)[:, :3], True),
+        (base[:, 1:4], True),  # dims 1 and 2 merge: two levels
+        (base[1:2, :, 2:3], True),  # size-1 dimensions drop out
+        (base.reshape(4, 30, 8).transpose(0, 1), True),
+        (base.reshape(20, 6, 8)[:, 1:5], True),  # [tokens, heads, head_dim] in a fused qkv buffer
+        (base.transpose(0, 1), False),  # three levels: the glue makes a contiguous copy
+        (base.permute(2, 0, 1, 3), True),  # [6, 4, 5]: 4 and 5 merge
+        (base.permute(0, 2, 1, 3), False),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_row_offsets_match_torch_strides(lib, index):
+    t, collapses = layouts()[index]
+    lead = t.shape[:-1]
+    rows = int(np.prod(lead))
+    sizes = np.array(lead, dtype=np.int64)
+    strides = np.array(t.stride()[:-1], dtype=np.int64)
+    out = np.empty(rows, dtype=np.int64)
+    ok = lib.fk_row_offsets(ptr(sizes), ptr(strides), ctypes.c_int(len(lead)), ctypes.c_int64(rows), ptr(out))
+    assert bool(ok) == collapses
+    if collapses:
+        expected = (t[..., 0].flatten() - t.storage_offset()).numpy()
+        assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_activation_math(lib, act):
+    x = np.concatenate([np.linspace(-30, 30, 20001), [-1e4, -100, -88.8, 88.8, 100, 1e4, 0.0]]).astype(np.float32)
+    f, df = np.empty_like(x), np.empty_like(x)
+    lib.fk_activation(ctypes.c_int(["silu", "gelu", "gelu_tanh"].index(act)), ptr(x), ptr(f), ptr(df), ctypes.c_int64(x.size))
+    xt = torch.from_numpy(x).double()
+    torch.testing.assert_close(torch.from_numpy(f).double(), ref_act.activation(act, xt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(df).double(), ref_act.activation_derivative(act, xt), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,172 @@
+"""rmsnorm, gemma_rmsnorm, fused_add_rmsnorm, gemma_fused_add_rmsnorm and the rmsnorm backward
+against the float64 reference."""
+
+import pytest
+import torch
+from conftest import FLOAT_DTYPES, GPU, assert_close, poisoned, rand
+
+import flashkern
+from flashkern import ref
+
+HIDDEN = [1, 7, 111, 769, 4096, 5125, 16384, 65536]
+TOKENS = [1, 37, 989]
+# Every (tokens, hidden) pair on a GPU; the CPU reference in float64 is slow on the biggest ones.
+MAX_ELEMENTS = 2**26 if GPU else 2**22
+SIZES = [(t, h) for t in TOKENS for h in HIDDEN if t * h <= MAX_ELEMENTS]
+
+
+def _skip_large_on_cpu(device, numel):
+    if device == "cpu" and numel > 2**22:
+        pytest.skip("float64 reference on the CPU: GPU-only size")
+
+
+@pytest.mark.parametrize("tokens,hidden", SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_rmsnorm(device, tokens, hidden, dtype, weight_fp32):
+    _skip_large_on_cpu(device, tokens * hidden)
+    x = rand((tokens, hidden), dtype, device, seed=1)
+    w = rand((hidden,), torch.float32 if weight_fp32 else dtype, device, seed=2)
+    y = flashkern.rmsnorm(x, w, eps=1e-6)
+    assert y.dtype == dtype and y.shape == x.shape and y.device == x.device
+    assert_close(y, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_gemma_rmsnorm(device, dtype):
+    x, w = rand((37, 769), dtype, device, seed=3), rand((769,), dtype, device, seed=4)
+    assert_close(flashkern.gemma_rmsnorm(x, w, eps=1e-5), ref.rmsnorm(x.double(), w.double(), 1e-5, 1.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rmsnorm_out_is_fully_written(device, dtype):
+    x, w = rand((37, 5125), dtype, device, seed=5), rand((5125,), dtype, device, seed=6)
+    out = poisoned((37, 5125), dtype, device)
+    assert flashkern.rmsnorm(x, w, out=out) is out
+    assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rmsnorm_strided_rows_and_output(device, dtype):
+    base = rand((37, 4096 + 24), dtype, device, seed=7)
+    x = base[:, 8 : 8 + 4096]  # rows 4120 apart, starting 8 elements in
+    out_base = poisoned((37, 5000), dtype, device)
+    out = out_base[:, :4096]
+    w = rand((4096,), dtype, device, seed=8)
+    flashkern.rmsnorm(x, w, out=out)
+    assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+    assert out_base[:, 4096:].isnan().all(), "wrote outside the out view"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rmsnorm_misaligned_pointer(device, dtype):
+    """A view starting one element in is not 16-byte aligned: the scalar path, same answer."""
+    flat = rand((1 + 37 * 4096,), dtype, device, seed=9)
+    x = flat[1:].view(37, 4096)
+    w = rand((4096,), dtype, device, seed=10)
+    assert_close(flashkern.rmsnorm(x, w), ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rmsnorm_per_head_in_fused_qkv(device, dtype):
+    """q/k norm: [tokens, heads, head_dim] views of a fused qkv buffer (token stride > heads * head_dim)."""
+    tokens, heads, kv_heads, head_dim = 37, 8, 2, 128
+    qkv = rand((tokens, (heads + 2 * kv_heads) * head_dim), dtype, device, seed=11)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    w = rand((head_dim,), dtype, device, seed=12)
+    for t in (q, k):
+        assert_close(flashkern.rmsnorm(t, w), ref.rmsnorm(t.double(), w.double(), 1e-6), dtype)
+    # heads-major view: rows are not a single stride apart
+    t = rand((heads, tokens, head_dim), dtype, device, seed=13).transpose(0, 1)
+    assert_close(flashkern.rmsnorm(t, w), ref.rmsnorm(t.double(), w.double(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 1), (37, 7), (989, 4096), (37, 5125), (3, 65536)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("gemma", [False, True])
+def test_fused_add_rmsnorm(device, tokens, hidden, dtype, gemma):
+    x, res = rand((tokens, hidden), dtype, device, seed=14), rand((tokens, hidden), dtype, device, seed=15)
+    w = rand((hidden,), dtype, device, seed=16)
+    expected_y, expected_res = ref.fused_add_rmsnorm(x.double(), res.double(), w.double(), 1e-6, 1.0 if gemma else 0.0)
+    fn = flashkern.gemma_fused_add_rmsnorm if gemma else flashkern.fused_add_rmsnorm
+    assert fn(x, res, w) is None
+    assert_close(res, expected_res, dtype)
+    assert_close(x, expected_y, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_add_rmsnorm_rounds_the_sum_before_the_norm(device, dtype):
+    """The documented rounding point: the norm is of the residual as stored, so it matches the
+    reference run at the op's own dtype (computes in float32) far more tightly than the tolerance."""
+    x, res = rand((37, 769), dtype, device, seed=17), rand((37, 769), dtype, device, seed=18)
+    w = rand((769,), dtype, device, seed=19)
+    expected_y, expected_res = ref.fused_add_rmsnorm(x.cpu(), res.cpu(), w.cpu(), 1e-6)
+    flashkern.fused_add_rmsnorm(x, res, w)
+    assert torch.equal(res.cpu(), expected_res)
+    ulp = torch.finfo(dtype).eps
+    assert ((x.cpu().double() - expected_y.double()).abs() <= ulp * expected_y.double().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_fused_add_rmsnorm_strided(device, dtype):
+    xb, rb = rand((37, 800), dtype, device, seed=20), rand((37, 900), dtype, device, seed=21)
+    x, res = xb[:, :769], rb[:, 3:772]
+    w = rand((769,), torch.float32, device, seed=22)
+    expected_y, expected_res = ref.fused_add_rmsnorm(x.double(), res.double(), w.double(), 1e-6)
+    untouched_x, untouched_r = xb[:, 769:].clone(), rb[:, 772:].clone()
+    flashkern.fused_add_rmsnorm(x, res, w)
+    assert_close(x, expected_y, dtype)
+    assert_close(res, expected_res, dtype)
+    assert torch.equal(xb[:, 769:], untouched_x) and torch.equal(rb[:, 772:], untouched_r)
+
+
+def test_empty_batch(device):
+    x, w = torch.empty((0, 4096), device=device), rand((4096,), torch.float32, device)
+    assert flashkern.rmsnorm(x, w).shape == (0, 4096)
+    res = torch.empty_like(x)
+    flashkern.fused_add_rmsnorm(x, res, w)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 1), (37, 7), (37, 769), (989, 4096), (5, 5125), (2, 20000)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("weight_fp32", [False, True])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rmsnorm_backward(device, tokens, hidden, dtype, weight_fp32, gemma):
+    x = rand((tokens, hidden), dtype, device, seed=23).requires_grad_()
+    w = rand((hidden,), torch.float32 if weight_fp32 else dtype, device, seed=24).requires_grad_()
+    dy = rand((tokens, hidden), dtype, device, seed=25)
+    fn = flashkern.gemma_rmsnorm if gemma else flashkern.rmsnorm
+    fn(x, w).backward(dy)
+    dx, dw = ref.rmsnorm_backward(dy.double(), x.detach().double(), w.detach().double(), 1e-6, 1.0 if gemma else 0.0)
+    assert x.grad.dtype == dtype and w.grad.dtype == w.dtype
+    assert_close(x.grad, dx, dtype)
+    # dw sums `tokens` terms of size ~1: its absolute error grows with them
+    scale = max(1.0, dw.abs().max().item())
+    assert_close(w.grad / scale, dw / scale, w.dtype)
+
+
+def test_rmsnorm_backward_non_contiguous_grad(device):
+    x = rand((37, 64), torch.float32, device, seed=26).requires_grad_()
+    w = rand((64,), torch.float32, device, seed=27).requires_grad_()
+    flashkern.rmsnorm(x, w).sum().backward()  # grad is an expanded (stride 0) tensor
+    dx, dw = ref.rmsnorm_backward(torch.ones(37, 64, dtype=torch.float64), x.detach().double(), w.detach().double())
+    assert_close(x.grad, dx)
+    assert_close(w.grad, dw)
+
+
+def test_rmsnorm_gradcheck_float64():
+    x = rand((7, 33), torch.float64, "cpu", seed=28).requires_grad_()
+    w = rand((33,), torch.float64, "cpu", seed=29).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: flashkern.rmsnorm(a, b, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: flashkern.gemma_rmsnorm(a, b, 1e-5), (x, w))
+    x3 = rand((3, 4, 16), torch.float64, "cpu", seed=30).requires_grad_()
+    w3 = rand((16,), torch.float64, "cpu", seed=31).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: flashkern.rmsnorm(a, b), (x3, w3))
+
+
+def test_out_variant_refuses_autograd(device):
+    x = rand((4, 8), torch.float32, device).requires_grad_()
+    w = rand((8,), torch.float32, device)
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        flashkern.rmsnorm(x, w, out=torch.empty(4, 8, device=device))
