@@ -9,7 +9,9 @@ const char* launch_rmsnorm(const RmsnormParams& p, void* stream) {
   return run_rmsnorm<kWarp>(p, static_cast<gpuStream_t>(stream));
 }
 
-size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p) { return rmsnorm_backward_workspace(p); }
+size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p) {
+  return rmsnorm_backward_workspace<kWarp>(p);
+}
 
 const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream) {
   return run_rmsnorm_backward<kWarp>(p, static_cast<gpuStream_t>(stream));

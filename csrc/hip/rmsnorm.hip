@@ -14,7 +14,9 @@ const char* launch_rmsnorm(const RmsnormParams& p, void* stream) {
   return current_device_is_wave64() ? run_rmsnorm<64>(p, s) : run_rmsnorm<32>(p, s);
 }
 
-size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p) { return rmsnorm_backward_workspace(p); }
+size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p) {
+  return current_device_is_wave64() ? rmsnorm_backward_workspace<64>(p) : rmsnorm_backward_workspace<32>(p);
+}
 
 const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream) {
   const auto s = static_cast<gpuStream_t>(stream);

@@ -3,6 +3,7 @@
 // current stream. The checks mirror python/flashkern/_validate.py, which guards the CPU
 // reference and the fake functions, so a direct torch.ops caller gets the same TypeError or
 // ValueError on every device.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
@@ -67,22 +68,24 @@ std::optional<fk::RowLayout> row_layout(const Tensor& t) {
   return layout;
 }
 
-// A tensor whose rows fit a RowLayout: t itself, or (rare: three or more non-mergeable leading
-// dimensions) a contiguous copy that `finish` copies back into t when t is written.
+// A tensor whose rows fit a RowLayout: t itself or, rare (three or more leading dimensions that
+// do not merge), a contiguous stand-in; `finish` copies a written stand-in back into t.
+enum class Access { read, write, read_write };
+
 struct Rows {
   Tensor tensor;
-  fk::RowLayout layout;
-  Tensor original;  // defined when `tensor` is a copy
+  fk::RowLayout layout{0, 0, 1};
+  Tensor original;  // defined when `tensor` stands in for it and must be copied back
 
-  explicit Rows(const Tensor& t) {
+  Rows(const Tensor& t, Access access) : tensor(t) {
+    if (t.numel() == 0) return;  // nothing is launched
     if (auto l = row_layout(t)) {
-      tensor = t;
       layout = *l;
-    } else {
-      original = t;
-      tensor = t.contiguous();
-      layout = *row_layout(tensor);
+      return;
     }
+    tensor = access == Access::write ? at::empty(t.sizes(), t.options()) : t.contiguous();
+    layout = *row_layout(tensor);
+    if (access != Access::read) original = t;
   }
   void finish() {
     if (original.defined()) original.copy_(tensor);
@@ -114,9 +117,9 @@ void check_rmsnorm(const char* op, const Tensor& input, const Tensor& weight, do
 void rmsnorm_launch(const char* op, const Tensor& out, const Tensor& input, const std::optional<Tensor>& residual,
                     const Tensor& weight, double eps, double weight_offset) {
   const c10::DeviceGuard guard(input.device());
-  Rows out_rows(out), input_rows(input);
+  Rows out_rows(out, Access::write), input_rows(input, Access::read);
   std::optional<Rows> residual_rows;
-  if (residual) residual_rows.emplace(*residual);
+  if (residual) residual_rows.emplace(*residual, Access::read_write);
   fk::RmsnormParams p{};
   p.out = out_rows.tensor.data_ptr();
   p.input = input_rows.tensor.const_data_ptr();
@@ -140,6 +143,8 @@ void rmsnorm_out(Tensor& out, const Tensor& input, const Tensor& weight, double 
   check_rmsnorm("rmsnorm", input, weight, eps);
   check_same("rmsnorm", "out", out, "input", input);
   check_last_dim_contiguous("rmsnorm", "out", out);
+  at::assert_no_internal_overlap(out);
+  at::assert_no_partial_overlap(out, input);  // out may be input itself (in place)
   rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset);
 }
 
@@ -154,6 +159,9 @@ void fused_add_rmsnorm(Tensor& input, Tensor& residual, const Tensor& weight, do
   check_rmsnorm("fused_add_rmsnorm", input, weight, eps);
   check_same("fused_add_rmsnorm", "residual", residual, "input", input);
   check_last_dim_contiguous("fused_add_rmsnorm", "residual", residual);
+  at::assert_no_internal_overlap(input);
+  at::assert_no_internal_overlap(residual);
+  at::assert_no_overlap(input, residual);
   rmsnorm_launch("fused_add_rmsnorm", input, input, residual, weight, eps, weight_offset);
 }
 
@@ -166,7 +174,7 @@ std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& grad_out, const Tensor
   const c10::DeviceGuard guard(input.device());
   Tensor grad_input = at::empty(input.sizes(), input.options());
   Tensor grad_weight = at::empty(weight.sizes(), weight.options());
-  Rows dx_rows(grad_input), dy_rows(grad_out), x_rows(input);
+  Rows dx_rows(grad_input, Access::write), dy_rows(grad_out, Access::read), x_rows(input, Access::read);
   fk::RmsnormBackwardParams p{};
   p.grad_input = dx_rows.tensor.data_ptr();
   p.grad_weight = grad_weight.data_ptr();
@@ -234,8 +242,10 @@ void act_and_mul_out(Tensor& out, const Tensor& input, c10::string_view activati
   const char* op = name.c_str();
   check_act_and_mul(op, input);
   check_half_output(op, "out", out, input);
+  at::assert_no_internal_overlap(out);
+  at::assert_no_overlap(out, input);
   const c10::DeviceGuard guard(input.device());
-  Rows out_rows(out), input_rows(input);
+  Rows out_rows(out, Access::write), input_rows(input, Access::read);
   fk::ActAndMulParams p{};
   p.out = out_rows.tensor.data_ptr();
   p.input = input_rows.tensor.const_data_ptr();
@@ -265,7 +275,7 @@ Tensor act_and_mul_backward(const Tensor& grad_out, const Tensor& input, c10::st
   check_half_output(op, "grad_out", grad_out, input);
   const c10::DeviceGuard guard(input.device());
   Tensor grad_input = at::empty(input.sizes(), input.options());
-  Rows dx_rows(grad_input), dy_rows(grad_out), x_rows(input);
+  Rows dx_rows(grad_input, Access::write), dy_rows(grad_out, Access::read), x_rows(input, Access::read);
   fk::ActAndMulBackwardParams p{};
   p.grad_input = dx_rows.tensor.data_ptr();
   p.grad_out = dy_rows.tensor.const_data_ptr();

@@ -22,11 +22,11 @@ void fk_float_to_bf16(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = fk::from_float<fk::bf16_t>(in[i]).bits;
 }
 
-// limits: 0 rmsnorm, 1 fused_add_rmsnorm, 2 rmsnorm backward.
+// limits: 0 rmsnorm and fused_add_rmsnorm, 1 rmsnorm backward.
 // out: threads_per_row, rows_per_block, vecs_per_thread, in_registers, block_threads, blocks
 void fk_plan_rows(int64_t rows, int64_t cols, int vec, int limits, int64_t* out) {
   const fk::RowPlanLimits lim =
-      limits == 0 ? fk::kRmsnormLimits : (limits == 1 ? fk::kFusedAddRmsnormLimits : fk::kRmsnormBackwardLimits);
+      limits == 0 ? fk::kRmsnormLimits : fk::kRmsnormBackwardLimits;
   const fk::RowPlan p = fk::plan_rows(rows, cols, vec, lim);
   const int64_t values[] = {p.threads_per_row, p.rows_per_block, p.vecs_per_thread, p.in_registers,
                             p.block_threads,   p.blocks};
@@ -34,9 +34,12 @@ void fk_plan_rows(int64_t rows, int64_t cols, int vec, int limits, int64_t* out)
 }
 void fk_plan_limits(int limits, int64_t* out) {
   const fk::RowPlanLimits lim =
-      limits == 0 ? fk::kRmsnormLimits : (limits == 1 ? fk::kFusedAddRmsnormLimits : fk::kRmsnormBackwardLimits);
+      limits == 0 ? fk::kRmsnormLimits : fk::kRmsnormBackwardLimits;
   out[0] = lim.max_block_threads;
   out[1] = lim.max_vecs_per_thread;
+  out[2] = lim.target_block_threads;
+  out[3] = fk::kMinBlockThreads;
+  out[4] = fk::kMaxBlocks;
 }
 
 // Offsets of every row of a tensor with the given leading sizes/strides; returns 0 when the

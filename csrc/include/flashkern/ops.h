@@ -17,10 +17,9 @@ enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 // Launch geometry limits of the row-wise kernels (rows.h: plan_rows), here so that host tests
 // can check the plans the kernels will get. {max block threads, max vectors per thread kept in
 // registers, target vectors per thread, target threads per block for short rows}
-inline constexpr RowPlanLimits kRmsnormLimits{1024, 8, 4, 256};
-// With a residual every vector is loaded twice; half the threads per block leave each thread the
-// registers to keep all of those loads in flight without spilling.
-inline constexpr RowPlanLimits kFusedAddRmsnormLimits{512, 8, 4, 256};
+// 512 threads leave each thread up to 128 registers: 8 vectors of the row (and, fused, of the
+// residual) in flight without spilling; rows up to 512 * 8 vectors (32K bf16, 16K fp32) are read once.
+inline constexpr RowPlanLimits kRmsnormLimits{512, 8, 4, 256};
 // The backward keeps x, dy and the dw partial sums of its columns in registers: fewer of each.
 inline constexpr RowPlanLimits kRmsnormBackwardLimits{512, 4, 2, 256};
 

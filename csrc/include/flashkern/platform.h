@@ -5,6 +5,8 @@
 //   fk::shfl_xor(v, lane_mask)                 maskless butterfly shuffle over the whole warp
 //   fk::hw::*, FK_HW_HALF, FK_HW_BF16          16-bit float conversion instructions where the pass
 //                                              has them (numeric.h falls back to bit-exact software)
+//   fk::store16(p, uint4)                      one 16-byte global store
+//   fk::trap()                                 abort the kernel
 //   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
 //                                              for a device whose wavefront is another width
 #pragma once
@@ -53,6 +55,11 @@ inline int gpuWarpSize(int device) {
   int n = 0;
   return cudaDeviceGetAttribute(&n, cudaDevAttrWarpSize, device) == cudaSuccess ? n : 32;
 }
+template <typename Kernel>
+int gpuMaxActiveBlocksPerSM(Kernel kernel, int block_threads) {
+  int n = 0;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0) == cudaSuccess && n > 0 ? n : 1;
+}
 #elif defined(FK_HIP)
 using gpuStream_t = hipStream_t;
 using gpuError_t = hipError_t;
@@ -71,6 +78,11 @@ inline int gpuWarpSize(int device) {
   int n = 0;
   return hipDeviceGetAttribute(&n, hipDeviceAttributeWarpSize, device) == hipSuccess ? n : 64;
 }
+template <typename Kernel>
+int gpuMaxActiveBlocksPerSM(Kernel kernel, int block_threads) {
+  int n = 0;
+  return hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0) == hipSuccess && n > 0 ? n : 1;
+}
 #endif
 
 #if defined(FK_GPU)
@@ -84,11 +96,35 @@ FK_DEVICE float shfl_xor(float v, int lane_mask) {
 }
 #endif
 
+#if defined(FK_GPU)
+FK_DEVICE void trap() {
+#if defined(FK_CUDA)
+  __trap();
+#else
+  __builtin_trap();
+#endif
+}
+
+// One 16-byte global store. nvcc otherwise may split a uint4 store assembled from 16-bit halves
+// into 32-bit pieces; __stwb is the default (write-back) store, as one st.global.wb.v4.
+FK_DEVICE void store16(void* p, uint4 v) {
+#if defined(FK_CUDA)
+  __stwb(static_cast<uint4*>(p), v);
+#else
+  *static_cast<uint4*>(p) = v;  // global_store_dwordx4
+#endif
+}
+#endif
+
 // A kernel template instantiated for one wavefront width is compiled for every offload target
 // of a HIP fat binary; on a target of the other width its body is dead and becomes a trap, so
 // each target carries real code only for its own width (host code picks the width at run time).
-#if defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__)
+// Both spellings fold to a constant per target, so a plain `if` leaves no dead code behind: the
+// macro (clang up to 19: ROCm 5.2 here) and the builtin that replaces it in newer clang.
+#if defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
 #define FK_WARP_SIZE_MISMATCH(kWarp) ((kWarp) != __AMDGCN_WAVEFRONT_SIZE)
+#elif defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__)
+#define FK_WARP_SIZE_MISMATCH(kWarp) ((kWarp) != __builtin_amdgcn_wavefrontsize())
 #else
 #define FK_WARP_SIZE_MISMATCH(kWarp) false
 #endif

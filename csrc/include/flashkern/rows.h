@@ -57,11 +57,17 @@ FK_HOST_DEVICE bool collapse_rows(const int64_t* sizes, const int64_t* strides, 
 
 FK_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-FK_HOST_DEVICE int next_pow2(int64_t x) {
-  int p = 1;
+FK_HOST_DEVICE int64_t next_pow2(int64_t x) {
+  int64_t p = 1;
   while (p < x) p <<= 1;
   return p;
 }
+
+// Blocks are never narrower than the widest wavefront (64), so a full-warp shuffle never names a
+// lane that does not exist; grids stop at kMaxBlocks (HIP needs blocks * threads < 2^32) and the
+// kernels loop over the rows beyond.
+inline constexpr int kMinBlockThreads = 64;
+inline constexpr int64_t kMaxBlocks = int64_t(1) << 20;
 
 struct RowPlanLimits {
   int max_block_threads;       // threads per block, at most
@@ -86,15 +92,17 @@ FK_HOST_DEVICE RowPlan plan_rows(int64_t rows, int64_t cols, int vec, RowPlanLim
   const int64_t row_vecs = ceil_div(cols, vec);
   int64_t tpr = next_pow2(ceil_div(row_vecs, lim.target_vecs_per_thread));
   if (tpr > lim.max_block_threads) tpr = lim.max_block_threads;
+  const int64_t vpt = ceil_div(row_vecs, tpr);
   p.threads_per_row = int(tpr);
-  p.vecs_per_thread = int(ceil_div(row_vecs, tpr) < 0x7fffffff ? ceil_div(row_vecs, tpr) : 0x7fffffff);
-  p.in_registers = p.vecs_per_thread <= lim.max_vecs_per_thread;
+  p.vecs_per_thread = vpt < 0x7fffffff ? int(vpt) : 0x7fffffff;
+  p.in_registers = vpt <= lim.max_vecs_per_thread;
   int64_t rpb = tpr >= lim.target_block_threads ? 1 : lim.target_block_threads / tpr;
-  const int64_t rows_pow2 = next_pow2(rows < 1 ? 1 : rows);
-  if (rpb > rows_pow2) rpb = rows_pow2;  // no empty row groups when there are few rows
+  if (rows < rpb) rpb = next_pow2(rows < 1 ? 1 : rows);  // few rows: no empty row groups...
+  if (tpr * rpb < kMinBlockThreads) rpb = kMinBlockThreads / tpr;  // ...but at least a wavefront
   p.rows_per_block = int(rpb);
   p.block_threads = int(tpr * rpb);
-  p.blocks = ceil_div(rows, rpb);
+  const int64_t blocks = ceil_div(rows, rpb);
+  p.blocks = blocks < kMaxBlocks ? blocks : kMaxBlocks;
   return p;
 }
 

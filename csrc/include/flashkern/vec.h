@@ -7,36 +7,69 @@
 
 namespace fk {
 
+// The bits of one element, and back.
+FK_DEVICE uint32_t element_bits(float x) { return bit_cast<uint32_t>(x); }
+FK_DEVICE uint32_t element_bits(half_t x) { return x.bits; }
+FK_DEVICE uint32_t element_bits(bf16_t x) { return x.bits; }
+template <typename T>
+FK_DEVICE T element_from_bits(uint32_t b) {
+  if constexpr (sizeof(T) == 4) {
+    return bit_cast<T>(b);
+  } else {
+    return T{uint16_t(b)};
+  }
+}
+
+// N elements of T packed in 32-bit words (two 16-bit elements a word), as they sit in registers:
+// a 16-byte vector of bf16 is 4 registers, not 8.
 template <typename T, int N>
-struct alignas((sizeof(T) * N) % 16 == 0 ? 16 : alignof(T)) Vec {
-  T v[N];
-
+struct Vec {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "16- or 32-bit element types");
+  static constexpr int kPerWord = 4 / int(sizeof(T));
+  static constexpr int kWords = (N + kPerWord - 1) / kPerWord;
   static constexpr bool kWide = (sizeof(T) * N) % 16 == 0;
+  uint32_t w[kWords];
 
-  // Load the `n` valid elements at p (n == N takes the wide path); the rest are zero.
+  FK_DEVICE T get(int i) const { return element_from_bits<T>(w[i / kPerWord] >> (16 * (i % kPerWord))); }
+  FK_DEVICE void put(int i, T x) {
+    if constexpr (kPerWord == 1) {
+      w[i] = element_bits(x);
+    } else {
+      const int shift = 16 * (i % kPerWord);
+      w[i / kPerWord] = (w[i / kPerWord] & ~(0xffffu << shift)) | (element_bits(x) << shift);
+    }
+  }
+  FK_DEVICE float f(int i) const { return to_float(get(i)); }
+  FK_DEVICE void set(int i, float x) { put(i, from_float<T>(x)); }
+
+  // Load the `n` valid elements at p (n == N takes the 16-byte path); the rest are zero.
   FK_DEVICE void load(const T* p, int n = N) {
     if (kWide && n == N) {
 #pragma unroll
-      for (int i = 0; i < int(sizeof(T) * N / 16); ++i)
-        reinterpret_cast<uint4*>(v)[i] = reinterpret_cast<const uint4*>(p)[i];
+      for (int c = 0; c < kWords / 4; ++c) {
+        const uint4 q = reinterpret_cast<const uint4*>(p)[c];
+        w[4 * c] = q.x, w[4 * c + 1] = q.y, w[4 * c + 2] = q.z, w[4 * c + 3] = q.w;
+      }
     } else {
 #pragma unroll
-      for (int i = 0; i < N; ++i) v[i] = i < n ? p[i] : from_float<T>(0.f);
+      for (int i = 0; i < kWords; ++i) w[i] = 0u;
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (i < n) put(i, p[i]);
     }
   }
+  // Store the first `n` elements at p: one 16-byte store per 16 bytes on the wide path.
   FK_DEVICE void store(T* p, int n = N) const {
     if (kWide && n == N) {
 #pragma unroll
-      for (int i = 0; i < int(sizeof(T) * N / 16); ++i)
-        reinterpret_cast<uint4*>(p)[i] = reinterpret_cast<const uint4*>(v)[i];
+      for (int c = 0; c < kWords / 4; ++c)
+        store16(reinterpret_cast<uint4*>(p) + c, make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i)
-        if (i < n) p[i] = v[i];
+        if (i < n) p[i] = get(i);
     }
   }
-  FK_DEVICE float f(int i) const { return to_float(v[i]); }
-  FK_DEVICE void set(int i, float x) { v[i] = from_float<T>(x); }
 };
 
 // Elements per 16-byte vector of T.

@@ -1,9 +1,10 @@
 // Gated activations (SwiGLU, GeGLU) and their backward.
 //   forward:  out = act(gate) * up,             gate = x[:, :d], up = x[:, d:]
 //   backward: dgate = dy * up * act'(gate),     dup = dy * act(gate)
-// Threads: blockIdx.x is the row, (blockIdx.y, threadIdx.x) walk its 16-byte vectors; fp32 math.
-// No reduction, so no warp width. Bytes per output element: forward 3 * sizeof(T), backward
-// 5 * sizeof(T).
+// Threads: a block of kActThreads holds rows_per_block groups of threads_per_row threads (short
+// rows share a block); a group walks its row's 16-byte vectors, blockIdx.y splitting long rows;
+// blocks stride over the rows. fp32 math, no reduction, so no warp width. Bytes per output
+// element: forward 3 * sizeof(T), backward 5 * sizeof(T).
 #pragma once
 
 #include "flashkern/activations.h"
@@ -14,65 +15,71 @@
 namespace fk {
 
 inline constexpr int kActThreads = 256;
-inline constexpr int kMaxGridY = 65535;
+inline constexpr int64_t kMaxGridY = 65535;
 
-template <int kVec>
-FK_DEVICE int act_vec_elems(int64_t v, int64_t cols) {
-  const int64_t rest = cols - v * kVec;
-  return rest < kVec ? int(rest) : kVec;
+struct ActPlan {
+  int threads_per_row, rows_per_block;
+  dim3 grid;
+};
+
+inline ActPlan plan_act_and_mul(int64_t rows, int64_t cols, int vec) {
+  const int64_t row_vecs = ceil_div(cols, vec);
+  const int64_t tpr = next_pow2(row_vecs) < kActThreads ? next_pow2(row_vecs) : kActThreads;
+  const int64_t rpb = kActThreads / tpr;
+  const int64_t row_blocks = ceil_div(rows, rpb), col_blocks = ceil_div(row_vecs, tpr);
+  return {int(tpr), int(rpb),
+          dim3(unsigned(row_blocks < kMaxBlocks ? row_blocks : kMaxBlocks),
+               unsigned(col_blocks < kMaxGridY ? col_blocks : kMaxGridY))};
 }
 
-template <typename T, Activation A, int kVec>
-__global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(ActAndMulParams p) {
-  const int64_t row = blockIdx.x;
-  const T* gate = static_cast<const T*>(p.input) + p.input_rows.offset(row);
-  const T* up = gate + p.cols;
-  T* out = static_cast<T*>(p.out) + p.out_rows.offset(row);
-  const int64_t row_vecs = ceil_div(p.cols, kVec);
-  for (int64_t v = int64_t(blockIdx.y) * kActThreads + threadIdx.x; v < row_vecs;
-       v += int64_t(gridDim.y) * kActThreads) {
-    const int n = act_vec_elems<kVec>(v, p.cols);
-    Vec<T, kVec> g, u, o;
-    g.load(gate + v * kVec, n);
-    u.load(up + v * kVec, n);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) o.set(i, Act<A>::f(g.f(i)) * u.f(i));
-    o.store(out + v * kVec, n);
+// Calls body(row, v, n) for every (row, vector) of this thread: n of the vector's kVec elements exist.
+template <int kVec, typename Body>
+FK_DEVICE void for_each_vector(int64_t rows, int64_t cols, const ActPlan& plan, Body&& body) {
+  const int tpr = plan.threads_per_row;
+  const int64_t row_vecs = ceil_div(cols, kVec);
+  for (int64_t row = int64_t(blockIdx.x) * plan.rows_per_block + threadIdx.x / tpr; row < rows;
+       row += int64_t(gridDim.x) * plan.rows_per_block) {
+    for (int64_t v = int64_t(blockIdx.y) * tpr + (threadIdx.x & (tpr - 1)); v < row_vecs;
+         v += int64_t(gridDim.y) * tpr) {
+      const int64_t rest = cols - v * kVec;
+      body(row, v, rest < kVec ? int(rest) : kVec);
+    }
   }
 }
 
 template <typename T, Activation A, int kVec>
-__global__ void __launch_bounds__(kActThreads) act_and_mul_backward_kernel(ActAndMulBackwardParams p) {
-  const int64_t row = blockIdx.x;
-  const T* gate = static_cast<const T*>(p.input) + p.input_rows.offset(row);
-  const T* up = gate + p.cols;
-  const T* dy = static_cast<const T*>(p.grad_out) + p.grad_out_rows.offset(row);
-  T* dgate = static_cast<T*>(p.grad_input) + p.grad_input_rows.offset(row);
-  T* dup = dgate + p.cols;
-  const int64_t row_vecs = ceil_div(p.cols, kVec);
-  for (int64_t v = int64_t(blockIdx.y) * kActThreads + threadIdx.x; v < row_vecs;
-       v += int64_t(gridDim.y) * kActThreads) {
-    const int n = act_vec_elems<kVec>(v, p.cols);
+__global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(ActAndMulParams p, ActPlan plan) {
+  for_each_vector<kVec>(p.rows, p.cols, plan, [&](int64_t row, int64_t v, int n) {
+    const T* gate = static_cast<const T*>(p.input) + p.input_rows.offset(row) + v * kVec;
+    Vec<T, kVec> g, u, o;
+    g.load(gate, n);
+    u.load(gate + p.cols, n);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) o.set(i, Act<A>::f(g.f(i)) * u.f(i));
+    o.store(static_cast<T*>(p.out) + p.out_rows.offset(row) + v * kVec, n);
+  });
+}
+
+template <typename T, Activation A, int kVec>
+__global__ void __launch_bounds__(kActThreads) act_and_mul_backward_kernel(ActAndMulBackwardParams p, ActPlan plan) {
+  for_each_vector<kVec>(p.rows, p.cols, plan, [&](int64_t row, int64_t v, int n) {
+    const T* gate = static_cast<const T*>(p.input) + p.input_rows.offset(row) + v * kVec;
+    T* dgate = static_cast<T*>(p.grad_input) + p.grad_input_rows.offset(row) + v * kVec;
     Vec<T, kVec> g, u, d, dg, du;
-    g.load(gate + v * kVec, n);
-    u.load(up + v * kVec, n);
-    d.load(dy + v * kVec, n);
+    g.load(gate, n);
+    u.load(gate + p.cols, n);
+    d.load(static_cast<const T*>(p.grad_out) + p.grad_out_rows.offset(row) + v * kVec, n);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       dg.set(i, d.f(i) * u.f(i) * Act<A>::df(g.f(i)));
       du.set(i, d.f(i) * Act<A>::f(g.f(i)));
     }
-    dg.store(dgate + v * kVec, n);
-    du.store(dup + v * kVec, n);
-  }
+    dg.store(dgate, n);
+    du.store(dgate + p.cols, n);
+  });
 }
 
 // ---- launchers, shared by the CUDA and HIP translation units ----
-
-inline dim3 act_and_mul_grid(int64_t rows, int64_t cols, int vec) {
-  const int64_t chunks = ceil_div(ceil_div(cols, vec), kActThreads);
-  return dim3(unsigned(rows), unsigned(chunks < kMaxGridY ? chunks : kMaxGridY));
-}
 
 // 16-byte vectors need every row start, and the start of its `up` half, on a 16-byte boundary.
 template <typename T>
@@ -94,8 +101,8 @@ inline const char* run_act_and_mul(const ActAndMulParams& p, gpuStream_t stream)
     return with_activation(p.act, [&](auto act_c) {
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
-        act_and_mul_kernel<T, decltype(act_c)::value, kV>
-            <<<act_and_mul_grid(p.rows, p.cols, kV), dim3(kActThreads), 0, stream>>>(p);
+        const ActPlan plan = plan_act_and_mul(p.rows, p.cols, kV);
+        act_and_mul_kernel<T, decltype(act_c)::value, kV><<<plan.grid, dim3(kActThreads), 0, stream>>>(p, plan);
         return last_launch_error();
       });
     });
@@ -111,8 +118,9 @@ inline const char* run_act_and_mul_backward(const ActAndMulBackwardParams& p, gp
     return with_activation(p.act, [&](auto act_c) {
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
+        const ActPlan plan = plan_act_and_mul(p.rows, p.cols, kV);
         act_and_mul_backward_kernel<T, decltype(act_c)::value, kV>
-            <<<act_and_mul_grid(p.rows, p.cols, kV), dim3(kActThreads), 0, stream>>>(p);
+            <<<plan.grid, dim3(kActThreads), 0, stream>>>(p, plan);
         return last_launch_error();
       });
     });

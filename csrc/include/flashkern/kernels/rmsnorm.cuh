@@ -15,10 +15,7 @@
 
 namespace fk {
 
-template <bool kResidual>
-inline constexpr RowPlanLimits kRmsnormLimitsFor = kResidual ? kFusedAddRmsnormLimits : kRmsnormLimits;
-
-// The columns of vector v of a row: how many of its kVec elements exist (0 past the end).
+// How many of the kVec elements of vector v of a row exist (0 past the end).
 template <int kVec>
 FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
   const int64_t rest = cols - v * kVec;
@@ -27,93 +24,98 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
 
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
 FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
-  constexpr int kMaxVecs = kRmsnormLimitsFor<kResidual>.max_vecs_per_thread;
+  constexpr int kMaxVecs = kRmsnormLimits.max_vecs_per_thread;
   __shared__ float scratch[RowGroup<kWarp>::kMaxWarps];
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
-  const int64_t row = int64_t(blockIdx.x) * plan.rows_per_block + threadIdx.x / tpr;
-  const bool active = row < p.rows;  // inactive groups still join the reduction
-  const int64_t cols = active ? p.cols : 0;
-  const T* x = static_cast<const T*>(p.input) + (active ? p.input_rows.offset(row) : 0);
-  T* res = kResidual ? static_cast<T*>(p.residual) + (active ? p.residual_rows.offset(row) : 0) : nullptr;
-  T* y = static_cast<T*>(p.out) + (active ? p.out_rows.offset(row) : 0);
   const W* w = static_cast<const W*>(p.weight);
 
-  // x (or x + residual, rounded to T as it is stored) for vector v; returns its sum of squares.
-  auto load_input = [&](Vec<T, kVec>& xv, int64_t v) {
-    const int n = vec_elems<kVec>(v, cols);
-    xv.load(x + v * kVec, n);
-    if constexpr (kResidual) {
-      Vec<T, kVec> rv;
-      rv.load(res + v * kVec, n);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) xv.set(i, xv.f(i) + rv.f(i));
-      xv.store(res + v * kVec, n);
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) ss += xv.f(i) * xv.f(i);
-    return ss;
-  };
-  auto store_output = [&](const Vec<T, kVec>& xv, int64_t v, float r) {
-    const int n = vec_elems<kVec>(v, cols);
-    Vec<W, kVec> wv;
-    wv.load(w + v * kVec, n);
-    Vec<T, kVec> yv;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) yv.set(i, xv.f(i) * r * (wv.f(i) + p.weight_offset));
-    yv.store(y + v * kVec, n);
-  };
+  for (int64_t base = int64_t(blockIdx.x) * plan.rows_per_block; base < p.rows;
+       base += int64_t(gridDim.x) * plan.rows_per_block) {
+    const int64_t row = base + threadIdx.x / tpr;
+    const bool active = row < p.rows;  // inactive groups still join the reduction
+    const int64_t cols = active ? p.cols : 0;
+    const T* x = static_cast<const T*>(p.input) + (active ? p.input_rows.offset(row) : 0);
+    T* res = kResidual ? static_cast<T*>(p.residual) + (active ? p.residual_rows.offset(row) : 0) : nullptr;
+    T* y = static_cast<T*>(p.out) + (active ? p.out_rows.offset(row) : 0);
 
-  float ss[1] = {0.f};
-  if (plan.in_registers) {
-    Vec<T, kVec> xv[kMaxVecs];
+    // x (or x + residual, rounded to T as it is stored) for vector v; returns its sum of squares.
+    auto load_input = [&](Vec<T, kVec>& xv, int64_t v) {
+      const int n = vec_elems<kVec>(v, cols);
+      xv.load(x + v * kVec, n);
+      if constexpr (kResidual) {
+        Vec<T, kVec> rv;
+        rv.load(res + v * kVec, n);
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k)
-      if (k < plan.vecs_per_thread) ss[0] += load_input(xv[k], group.lane + int64_t(k) * tpr);
-    group.sum(ss, scratch);
-    const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+        for (int i = 0; i < kVec; ++i) xv.set(i, xv.f(i) + rv.f(i));
+        xv.store(res + v * kVec, n);
+      }
+      float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k)
-      if (k < plan.vecs_per_thread) store_output(xv[k], group.lane + int64_t(k) * tpr, r);
-  } else {
-    const int64_t row_vecs = ceil_div(cols, kVec);
-    for (int64_t v = group.lane; v < row_vecs; v += tpr) {
-      Vec<T, kVec> xv;
-      ss[0] += load_input(xv, v);
-    }
-    group.sum(ss, scratch);
-    const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
-    const T* src = kResidual ? res : x;  // this thread wrote these residual elements itself
-    for (int64_t v = group.lane; v < row_vecs; v += tpr) {
-      Vec<T, kVec> xv;
-      xv.load(src + v * kVec, vec_elems<kVec>(v, cols));
-      store_output(xv, v, r);
+      for (int i = 0; i < kVec; ++i) ss += xv.f(i) * xv.f(i);
+      return ss;
+    };
+    auto store_output = [&](const Vec<T, kVec>& xv, int64_t v, float r) {
+      const int n = vec_elems<kVec>(v, cols);
+      Vec<W, kVec> wv;
+      wv.load(w + v * kVec, n);
+      Vec<T, kVec> yv;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) yv.set(i, xv.f(i) * r * (wv.f(i) + p.weight_offset));
+      yv.store(y + v * kVec, n);
+    };
+
+    float ss[1] = {0.f};
+    if (plan.in_registers) {
+      Vec<T, kVec> xv[kMaxVecs];
+#pragma unroll
+      for (int k = 0; k < kMaxVecs; ++k)
+        if (k < plan.vecs_per_thread) ss[0] += load_input(xv[k], group.lane + int64_t(k) * tpr);
+      group.sum(ss, scratch);
+      const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+#pragma unroll
+      for (int k = 0; k < kMaxVecs; ++k)
+        if (k < plan.vecs_per_thread) store_output(xv[k], group.lane + int64_t(k) * tpr, r);
+    } else {
+      const int64_t row_vecs = ceil_div(cols, kVec);
+      for (int64_t v = group.lane; v < row_vecs; v += tpr) {
+        Vec<T, kVec> xv;
+        ss[0] += load_input(xv, v);
+      }
+      group.sum(ss, scratch);
+      const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+      const T* src = kResidual ? res : x;  // this thread wrote these residual elements itself
+      for (int64_t v = group.lane; v < row_vecs; v += tpr) {
+        Vec<T, kVec> xv;
+        xv.load(src + v * kVec, vec_elems<kVec>(v, cols));
+        store_output(xv, v, r);
+      }
     }
   }
 }
 
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
-__global__ void __launch_bounds__(kRmsnormLimitsFor<kResidual>.max_block_threads) rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
-  if constexpr (FK_WARP_SIZE_MISMATCH(kWarp)) {
-    __builtin_trap();
+__global__ void __launch_bounds__(kRmsnormLimits.max_block_threads, 1)
+    rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
+  if (FK_WARP_SIZE_MISMATCH(kWarp)) {
+    trap();
   } else {
     rmsnorm_rows<kWarp, T, W, kVec, kResidual>(p, plan);
   }
 }
 
-// Each row group walks rows base + g, base += grid rows, keeps dw for its own columns in
-// registers and writes them as one partial row of the fp32 workspace; rmsnorm_dw_reduce_kernel
-// then sums the partial rows. Streamed rows keep their partial row in the workspace instead.
+// Each block walks rows blockIdx * rpb + g, stepping over the grid; each thread keeps dw for its
+// own columns in registers, and at the end the block's row groups add theirs in shared memory and
+// write one partial row of the fp32 workspace; rmsnorm_dw_reduce_kernel sums the partial rows.
+// Streamed rows (one group per block) keep their partial row in the workspace instead.
 template <int kWarp, typename T, typename W, int kVec>
 FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPlan& plan) {
   constexpr int kMaxVecs = kRmsnormBackwardLimits.max_vecs_per_thread;
   __shared__ float scratch[2 * RowGroup<kWarp>::kMaxWarps];
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
-  const int64_t group_id = int64_t(blockIdx.x) * plan.rows_per_block + threadIdx.x / tpr;
   const int64_t row_vecs = ceil_div(p.cols, kVec);
-  float* partial = p.workspace + group_id * row_vecs * kVec;  // padded rows: 16-byte aligned
+  float* partial = p.workspace + int64_t(blockIdx.x) * row_vecs * kVec;  // padded rows: 16-byte aligned
   const W* w = static_cast<const W*>(p.weight);
   const float inv_cols = 1.f / float(p.cols);
 
@@ -127,9 +129,9 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
 #pragma unroll
       for (int i = 0; i < kVec; ++i) partial[v * kVec + i] = 0.f;
 
-  const int64_t grid_rows = int64_t(gridDim.x) * plan.rows_per_block;
-  for (int64_t base = int64_t(blockIdx.x) * plan.rows_per_block; base < p.rows; base += grid_rows) {
-    const int64_t row = base + threadIdx.x / tpr;  // the loop is uniform over the block
+  for (int64_t base = int64_t(blockIdx.x) * plan.rows_per_block; base < p.rows;
+       base += int64_t(gridDim.x) * plan.rows_per_block) {
+    const int64_t row = base + threadIdx.x / tpr;
     const bool active = row < p.rows;
     const int64_t cols = active ? p.cols : 0;
     const T* x = static_cast<const T*>(p.input) + (active ? p.input_rows.offset(row) : 0);
@@ -144,7 +146,7 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
         sums[1] += gv.f(i) * (wv.f(i) + p.weight_offset) * xv.f(i);
       }
     };
-    // dx for vector v, and dy * x * r for each of its columns into dwv.
+    // dx for vector v, and dy * x * r of each of its columns added to dwv.
     auto grads = [&](const Vec<T, kVec>& xv, const Vec<T, kVec>& gv, const Vec<W, kVec>& wv, int64_t v, float r,
                      float c, float (&dwv)[kVec]) {
       Vec<T, kVec> dxv;
@@ -155,6 +157,8 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
       }
       dxv.store(dx + v * kVec, vec_elems<kVec>(v, cols));
     };
+    // r is 0 for an inactive group: its x and dy are 0, and 0 * inf would poison dw (eps = 0).
+    auto rstd = [&](float sum_sq) { return active ? rsqrtf(sum_sq * inv_cols + p.eps) : 0.f; };
 
     float sums[2] = {0.f, 0.f};
     if (plan.in_registers) {
@@ -172,7 +176,7 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
         }
       }
       group.sum(sums, scratch);
-      const float r = rsqrtf(sums[0] * inv_cols + p.eps);
+      const float r = rstd(sums[0]);
       const float c = r * r * sums[1] * inv_cols;
 #pragma unroll
       for (int k = 0; k < kMaxVecs; ++k) {
@@ -194,7 +198,7 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
         accumulate(xv, gv, wv, sums);
       }
       group.sum(sums, scratch);
-      const float r = rsqrtf(sums[0] * inv_cols + p.eps);
+      const float r = rstd(sums[0]);
       const float c = r * r * sums[1] * inv_cols;
       for (int64_t v = group.lane; v * kVec < cols; v += tpr) {
         const int n = vec_elems<kVec>(v, cols);
@@ -212,39 +216,61 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
       }
     }
   }
+
   if (plan.in_registers) {
+    // Add the row groups' dw vector by vector: group g's lane l stages its kVec sums, then the
+    // lanes of group 0 add them up over the groups and write the block's partial row.
+    __shared__ float stage[kRmsnormBackwardLimits.max_block_threads * kVec];
 #pragma unroll
     for (int k = 0; k < kMaxVecs; ++k) {
-      const int64_t v = group.lane + int64_t(k) * tpr;
-      if (k < plan.vecs_per_thread && v < row_vecs) {
-        Vec<float, kVec> out;
+      if (k < plan.vecs_per_thread) {  // uniform over the block
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) out.v[i] = dw[k][i];
-        out.store(partial + v * kVec);
+        for (int i = 0; i < kVec; ++i) stage[threadIdx.x * kVec + i] = dw[k][i];
+        __syncthreads();
+        const int64_t v = group.lane + int64_t(k) * tpr;
+        if (threadIdx.x < unsigned(tpr) && v < row_vecs) {
+          Vec<float, kVec> sum;
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) sum.set(i, 0.f);
+          for (int g = 0; g < plan.rows_per_block; ++g)
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) sum.set(i, sum.f(i) + stage[(g * tpr + group.lane) * kVec + i]);
+          sum.store(partial + v * kVec);
+        }
+        __syncthreads();
       }
     }
   }
 }
 
 template <int kWarp, typename T, typename W, int kVec>
-__global__ void __launch_bounds__(512) rmsnorm_backward_kernel(RmsnormBackwardParams p, RowPlan plan) {
-  if constexpr (FK_WARP_SIZE_MISMATCH(kWarp)) {
-    __builtin_trap();
+__global__ void __launch_bounds__(kRmsnormBackwardLimits.max_block_threads)
+    rmsnorm_backward_kernel(RmsnormBackwardParams p, RowPlan plan) {
+  if (FK_WARP_SIZE_MISMATCH(kWarp)) {
+    trap();
   } else {
     rmsnorm_backward_rows<kWarp, T, W, kVec>(p, plan);
   }
 }
 
-// grad_weight[c] = sum of the partial rows' column c. One thread per column: coalesced.
+// grad_weight[c] = sum over the partial rows of column c. A block takes 32 columns (coalesced
+// 128-byte reads); its 32 thread rows each sum every 32nd partial row, then one row adds those.
+inline constexpr int kReduceTile = 32;
 template <typename W>
-__global__ void __launch_bounds__(256) rmsnorm_dw_reduce_kernel(W* grad_weight, const float* partial,
-                                                                int64_t partial_rows, int64_t stride,
-                                                                int64_t cols) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  float sum = 0.f;
-  for (int64_t j = 0; j < partial_rows; ++j) sum += partial[j * stride + c];
-  grad_weight[c] = from_float<W>(sum);
+__global__ void __launch_bounds__(kReduceTile* kReduceTile)
+    rmsnorm_dw_reduce_kernel(W* grad_weight, const float* partial, int64_t partial_rows, int64_t stride, int64_t cols) {
+  __shared__ float sums[kReduceTile][kReduceTile + 1];
+  const int64_t c = int64_t(blockIdx.x) * kReduceTile + threadIdx.x;
+  float s = 0.f;
+  if (c < cols)
+    for (int64_t j = threadIdx.y; j < partial_rows; j += kReduceTile) s += partial[j * stride + c];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = 0.f;
+    for (int j = 0; j < kReduceTile; ++j) total += sums[j][threadIdx.x];
+    grad_weight[c] = from_float<W>(total);
+  }
 }
 
 // ---- launchers, shared by the CUDA and HIP translation units ----
@@ -265,7 +291,7 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
         constexpr int kV = decltype(wide_c)::value ? kVec : 1;
         return with_bool(residual, [&](auto res_c) {
           constexpr bool kResidual = decltype(res_c)::value;
-          const RowPlan plan = plan_rows(p.rows, p.cols, kV, kRmsnormLimitsFor<kResidual>);
+          const RowPlan plan = plan_rows(p.rows, p.cols, kV, kRmsnormLimits);
           rmsnorm_kernel<kWarp, T, W, kV, kResidual>
               <<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
           return last_launch_error();
@@ -273,14 +299,6 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
       });
     });
   });
-}
-
-// The backward grid: about two full waves of blocks, each walking many rows.
-inline RowPlan rmsnorm_backward_plan(const RmsnormBackwardParams& p, int vec, int device) {
-  RowPlan plan = plan_rows(p.rows, p.cols, vec, kRmsnormBackwardLimits);
-  const int64_t resident = int64_t(gpuMultiprocessorCount(device)) * (2048 / plan.block_threads);
-  if (plan.blocks > resident) plan.blocks = resident;
-  return plan;
 }
 
 template <typename T>
@@ -291,36 +309,47 @@ bool rmsnorm_backward_wide(const RmsnormBackwardParams& p) {
          p.input_rows.strides_multiple_of(kVec);
 }
 
-inline size_t rmsnorm_backward_workspace(const RmsnormBackwardParams& p) {
-  if (p.rows == 0) return 0;
-  const int device = gpuCurrentDevice();
-  return with_dtype(p.dtype, [&](auto t) {
-    using T = decltype(t);
-    const int vec = rmsnorm_backward_wide<T>(p) ? kVec16<T> : 1;
-    const RowPlan plan = rmsnorm_backward_plan(p, vec, device);
-    return size_t(plan.blocks * plan.rows_per_block) * size_t(ceil_div(p.cols, vec) * vec) * sizeof(float);
-  });
-}
-
-template <int kWarp>
-const char* run_rmsnorm_backward(const RmsnormBackwardParams& p, gpuStream_t stream) {
-  if (p.rows == 0) return nullptr;
-  const int device = gpuCurrentDevice();
+// Calls f(kernel, plan, vec, W{}) with the backward kernel for p and its launch plan: as many
+// blocks as are resident on the device at once (each walks many rows), since every block adds
+// one partial row to the workspace. The workspace size and the launch both come from here.
+template <int kWarp, typename F>
+decltype(auto) with_rmsnorm_backward_kernel(const RmsnormBackwardParams& p, F&& f) {
   return with_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     return with_weight_dtype<T>(p.weight_dtype, [&](auto wt) {
       using W = decltype(wt);
       return with_bool(rmsnorm_backward_wide<T>(p), [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
-        const RowPlan plan = rmsnorm_backward_plan(p, kV, device);
-        rmsnorm_backward_kernel<kWarp, T, W, kV>
-            <<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
-        const int64_t stride = ceil_div(p.cols, kV) * kV;
-        rmsnorm_dw_reduce_kernel<W><<<dim3(unsigned(ceil_div(p.cols, 256))), dim3(256), 0, stream>>>(
-            static_cast<W*>(p.grad_weight), p.workspace, plan.blocks * plan.rows_per_block, stride, p.cols);
-        return last_launch_error();
+        const auto kernel = rmsnorm_backward_kernel<kWarp, T, W, kV>;
+        RowPlan plan = plan_rows(p.rows, p.cols, kV, kRmsnormBackwardLimits);
+        const int64_t resident = int64_t(gpuMultiprocessorCount(gpuCurrentDevice())) *
+                                 gpuMaxActiveBlocksPerSM(kernel, plan.block_threads);
+        if (plan.blocks > resident) plan.blocks = resident;
+        return f(kernel, plan, kV, W{});
       });
     });
+  });
+}
+
+template <int kWarp>
+size_t rmsnorm_backward_workspace(const RmsnormBackwardParams& p) {
+  if (p.rows == 0) return 0;
+  return with_rmsnorm_backward_kernel<kWarp>(p, [&](auto, const RowPlan& plan, int vec, auto) {
+    return size_t(plan.blocks) * size_t(ceil_div(p.cols, vec) * vec) * sizeof(float);
+  });
+}
+
+template <int kWarp>
+const char* run_rmsnorm_backward(const RmsnormBackwardParams& p, gpuStream_t stream) {
+  if (p.rows == 0) return nullptr;
+  return with_rmsnorm_backward_kernel<kWarp>(p, [&](auto kernel, const RowPlan& plan, int vec, auto wt) {
+    using W = decltype(wt);
+    kernel<<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
+    if (const char* error = last_launch_error()) return error;
+    rmsnorm_dw_reduce_kernel<W><<<dim3(unsigned(ceil_div(p.cols, kReduceTile))), dim3(kReduceTile, kReduceTile), 0,
+                                  stream>>>(static_cast<W*>(p.grad_weight), p.workspace, plan.blocks,
+                                            ceil_div(p.cols, vec) * vec, p.cols);
+    return last_launch_error();
   });
 }
 
