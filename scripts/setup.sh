@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for flashkern and builds it from source, into ./.venv:
+#   system packages  hipcc + ROCm device libraries (HIP compile checks), ccache, cmake, ninja
+#   Python           a virtualenv with torch==2.14.1, the test tools, and flashkern itself
+# CUDA kernels are built when nvcc is found ($CUDA_HOME, /usr/local/cuda or PATH); a GPU is not
+# needed to build. Safe to run again: what is there already is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  missing=()
+  for pkg in hipcc libamdhip64-dev rocm-device-libs ccache cmake ninja-build g++; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+fi
+
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+pip install setuptools wheel torch==2.14.1 numpy pytest pytest-benchmark expecttest ninja
+
+start=$(date +%s)
+PATH="$PWD/.venv/bin:$PATH" pip install --no-build-isolation .
+.venv/bin/python -c "import flashkern" # fails loudly if the build did not install
+echo "setup: flashkern built and installed in $(( $(date +%s) - start )) s (backend: $(.venv/bin/python -c 'import flashkern; print(flashkern.info()["built_backend"])'))"
