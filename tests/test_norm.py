@@ -11,12 +11,12 @@ from flashkern import ref
 HIDDEN = [1, 7, 111, 769, 4096, 5125, 16384, 65536]
 TOKENS = [1, 37, 989]
 # Every (tokens, hidden) pair on a GPU; the CPU reference in float64 is slow on the biggest ones.
-MAX_ELEMENTS = 2**26 if GPU else 2**22
-SIZES = [(t, h) for t in TOKENS for h in HIDDEN if t * h <= MAX_ELEMENTS]
+CPU_MAX_ELEMENTS = 2**22
+SIZES = [(t, h) for t in TOKENS for h in HIDDEN if t * h <= (2**26 if GPU else CPU_MAX_ELEMENTS)]
 
 
 def _skip_large_on_cpu(device, numel):
-    if device == "cpu" and numel > 2**22:
+    if device == "cpu" and numel > CPU_MAX_ELEMENTS:
         pytest.skip("float64 reference on the CPU: GPU-only size")
 
 
