@@ -159,6 +159,12 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
     };
     // r is 0 for an inactive group: its x and dy are 0, and 0 * inf would poison dw (eps = 0).
     auto rstd = [&](float sum_sq) { return active ? rsqrtf(sum_sq * inv_cols + p.eps) : 0.f; };
+    auto load = [&](int64_t v, Vec<T, kVec>& xv, Vec<T, kVec>& gv, Vec<W, kVec>& wv) {
+      const int n = vec_elems<kVec>(v, cols);
+      xv.load(x + v * kVec, n);
+      gv.load(dy + v * kVec, n);
+      wv.load(w + v * kVec, n);
+    };
 
     float sums[2] = {0.f, 0.f};
     if (plan.in_registers) {
@@ -166,12 +172,8 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
 #pragma unroll
       for (int k = 0; k < kMaxVecs; ++k) {
         if (k < plan.vecs_per_thread) {
-          const int64_t v = group.lane + int64_t(k) * tpr;
-          const int n = vec_elems<kVec>(v, cols);
-          xv[k].load(x + v * kVec, n);
-          gv[k].load(dy + v * kVec, n);
           Vec<W, kVec> wv;
-          wv.load(w + v * kVec, n);
+          load(group.lane + int64_t(k) * tpr, xv[k], gv[k], wv);
           accumulate(xv[k], gv[k], wv, sums);
         }
       }
@@ -189,24 +191,18 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
       }
     } else {
       for (int64_t v = group.lane; v * kVec < cols; v += tpr) {
-        const int n = vec_elems<kVec>(v, cols);
         Vec<T, kVec> xv, gv;
         Vec<W, kVec> wv;
-        xv.load(x + v * kVec, n);
-        gv.load(dy + v * kVec, n);
-        wv.load(w + v * kVec, n);
+        load(v, xv, gv, wv);
         accumulate(xv, gv, wv, sums);
       }
       group.sum(sums, scratch);
       const float r = rstd(sums[0]);
       const float c = r * r * sums[1] * inv_cols;
-      for (int64_t v = group.lane; v * kVec < cols; v += tpr) {
-        const int n = vec_elems<kVec>(v, cols);
+      for (int64_t v = group.lane; v * kVec < cols; v += tpr) {  // x, dy again: from L2 mostly
         Vec<T, kVec> xv, gv;
         Vec<W, kVec> wv;
-        xv.load(x + v * kVec, n);
-        gv.load(dy + v * kVec, n);
-        wv.load(w + v * kVec, n);
+        load(v, xv, gv, wv);
         float dwv[kVec];
 #pragma unroll
         for (int i = 0; i < kVec; ++i) dwv[i] = partial[v * kVec + i];
