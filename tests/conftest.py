@@ -34,3 +34,9 @@ def assert_close(actual, expected, dtype=None):
 
 
 requires_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    if isinstance(val, torch.dtype):
+        return str(val).replace("torch.", "")
+    return None

@@ -1,0 +1,1 @@
+"""flashkern's benchmark suite (pytest-benchmark) and its report: python -m bench.report."""

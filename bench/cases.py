@@ -1,0 +1,262 @@
+"""What is benchmarked: shapes from real models, the providers of each op, and the bytes each op
+must move at least (every input read once, every output written once)."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .harness import GPU, Provider
+
+# Hidden sizes and MLP intermediate sizes (d of SwiGLU's [tokens, 2d] input) of real models.
+HIDDEN = {"llama3-8b": 4096, "qwen2.5-7b": 3584, "gemma2-27b": 4608, "llama3-70b": 8192, "llama3-405b": 16384}
+INTERMEDIATE = {"llama3-8b": 14336, "qwen2.5-7b": 18944, "llama3-70b": 28672, "gemma2-27b": 36864}
+DECODE_TOKENS = [1, 16, 64, 256]
+PREFILL_TOKENS = [4096, 16384, 32768]
+
+# smoke: the CPU check in CI; quick: the one-call device check (bench/device_check.sh); full: everything.
+BENCH_SET = os.environ.get("FLASHKERN_BENCH_SET") or ("quick" if GPU else "smoke")
+
+
+def model_shapes(sizes: dict):
+    """[(label, tokens, size)] for the chosen set."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 4, 256)]
+    models = list(sizes.items()) if BENCH_SET == "full" else list(sizes.items())[:1] + list(sizes.items())[3:4]
+    tokens = DECODE_TOKENS + PREFILL_TOKENS if BENCH_SET == "full" else [1, 64, 4096, 32768]
+    return [(f"{name} t={t}", t, size) for name, size in models for t in tokens]
+
+
+def sweep_shapes(size: int):
+    """Token counts 1 .. 64K at one size: where each kernel leaves the bandwidth roof."""
+    if BENCH_SET == "smoke":
+        return [("sweep", 1, 64), ("sweep", 8, 64)]
+    top = 16 if BENCH_SET == "full" else 14
+    return [("sweep", 2**i, size) for i in range(0, top + 1, 1 if BENCH_SET == "full" else 2)]
+
+
+DTYPES = [torch.bfloat16] if BENCH_SET != "full" else [torch.bfloat16, torch.float16]
+
+
+def rand(shape, dtype, seed):
+    g = torch.Generator(device="cuda" if GPU else "cpu").manual_seed(seed)
+    return torch.randn(shape, dtype=dtype, device="cuda" if GPU else "cpu", generator=g)
+
+
+def _compiled(fn):
+    """torch.compile of the plain-torch formula, once for all shapes (dynamic)."""
+    return torch.compile(fn, dynamic=True)
+
+
+# ---------------------------------------------------------------- rmsnorm
+
+
+def rmsnorm_bytes(tokens, hidden, dtype):
+    s = torch.finfo(dtype).bits // 8
+    return 2 * tokens * hidden * s + hidden * s
+
+
+def rmsnorm_inputs(tokens, hidden, dtype):
+    return lambda seed: (rand((tokens, hidden), dtype, seed), rand((hidden,), dtype, 10**6 + seed))
+
+
+def _hf_rmsnorm(x, w, eps=1e-6):  # as Hugging Face models write it
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+_compiled_rmsnorm = None
+
+
+def _compile_rmsnorm(x, w):
+    global _compiled_rmsnorm
+    _compiled_rmsnorm = _compiled_rmsnorm or _compiled(_hf_rmsnorm)
+    return lambda: _compiled_rmsnorm(x, w)
+
+
+def _vllm_rmsnorm(x, w):
+    from vllm import _custom_ops
+
+    out = torch.empty_like(x)
+    return lambda: _custom_ops.rms_norm(out, x, w, 1e-6)
+
+
+def _liger_rmsnorm(x, w):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return lambda: LigerRMSNormFunction.apply(x, w, 1e-6)
+
+
+RMSNORM = [
+    Provider("flashkern", lambda x, w: (lambda: _flashkern().rmsnorm(x, w, 1e-6)), requires="flashkern"),
+    Provider("torch", lambda x, w: (lambda: F.rms_norm(x, (x.shape[-1],), w, 1e-6))),
+    Provider("torch.compile", _compile_rmsnorm),
+    Provider("flashinfer", lambda x, w: (lambda: __import__("flashinfer").norm.rmsnorm(x, w, 1e-6)), "flashinfer", True),
+    Provider("vllm", _vllm_rmsnorm, "vllm._custom_ops", True),
+    Provider("liger", _liger_rmsnorm, "liger_kernel", True),
+    Provider("sglang", lambda x, w: (lambda: __import__("sgl_kernel").rmsnorm(x, w, 1e-6)), "sgl_kernel", True),
+    Provider("aiter", lambda x, w: (lambda: __import__("aiter").rmsnorm2d_fwd(x, w, 1e-6)), "aiter", True),
+]
+
+
+# ---------------------------------------------------------------- fused_add_rmsnorm
+
+
+def fused_add_rmsnorm_bytes(tokens, hidden, dtype):
+    s = torch.finfo(dtype).bits // 8
+    return 4 * tokens * hidden * s + hidden * s
+
+
+def fused_add_rmsnorm_inputs(tokens, hidden, dtype):
+    return lambda seed: (
+        rand((tokens, hidden), dtype, seed),
+        rand((tokens, hidden), dtype, 10**5 + seed),
+        rand((hidden,), dtype, 10**6 + seed),
+    )
+
+
+def _torch_fused_add(x, r, w):
+    def run():
+        r.add_(x)
+        x.copy_(F.rms_norm(r, (r.shape[-1],), w, 1e-6))
+
+    return run
+
+
+_compiled_fused_add = None
+
+
+def _compile_fused_add(x, r, w):
+    global _compiled_fused_add
+
+    def fused(x, r, w):  # out of place: in-place versions trip inductor with dynamic shapes; same bytes
+        s = x + r
+        return _hf_rmsnorm(s, w), s
+
+    _compiled_fused_add = _compiled_fused_add or _compiled(fused)
+    return lambda: _compiled_fused_add(x, r, w)
+
+
+def _vllm_fused_add(x, r, w):
+    from vllm import _custom_ops
+
+    return lambda: _custom_ops.fused_add_rms_norm(x, r, w, 1e-6)
+
+
+FUSED_ADD_RMSNORM = [
+    Provider("flashkern", lambda x, r, w: (lambda: _flashkern().fused_add_rmsnorm(x, r, w, 1e-6)), requires="flashkern"),
+    Provider("torch", _torch_fused_add),
+    Provider("torch.compile", _compile_fused_add),
+    Provider("flashinfer", lambda x, r, w: (lambda: __import__("flashinfer").norm.fused_add_rmsnorm(x, r, w, 1e-6)),
+             "flashinfer", True),
+    Provider("vllm", _vllm_fused_add, "vllm._custom_ops", True),
+    Provider("sglang", lambda x, r, w: (lambda: __import__("sgl_kernel").fused_add_rmsnorm(x, r, w, 1e-6)),
+             "sgl_kernel", True),
+]
+
+
+# ---------------------------------------------------------------- silu_and_mul
+
+
+def silu_and_mul_bytes(tokens, d, dtype):
+    return 3 * tokens * d * (torch.finfo(dtype).bits // 8)
+
+
+def silu_and_mul_inputs(tokens, d, dtype):
+    return lambda seed: (rand((tokens, 2 * d), dtype, seed),)
+
+
+def _torch_swiglu(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+_compiled_swiglu = None
+
+
+def _compile_swiglu(x):
+    global _compiled_swiglu
+    _compiled_swiglu = _compiled_swiglu or _compiled(_torch_swiglu)
+    return lambda: _compiled_swiglu(x)
+
+
+def _vllm_swiglu(x):
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    return lambda: torch.ops._C.silu_and_mul(out, x)
+
+
+def _liger_swiglu(x):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    gate, up = (t.contiguous() for t in x.chunk(2, dim=-1))  # Liger takes the halves as two tensors
+    return lambda: LigerSiLUMulFunction.apply(gate, up)
+
+
+SILU_AND_MUL = [
+    Provider("flashkern", lambda x: (lambda: _flashkern().silu_and_mul(x)), requires="flashkern"),
+    Provider("torch", lambda x: (lambda: _torch_swiglu(x))),
+    Provider("torch.compile", _compile_swiglu),
+    Provider("flashinfer", lambda x: (lambda: __import__("flashinfer").activation.silu_and_mul(x)), "flashinfer", True),
+    Provider("vllm", _vllm_swiglu, "vllm._custom_ops", True),
+    Provider("liger", _liger_swiglu, "liger_kernel", True),
+    Provider("sglang", lambda x: (lambda: __import__("sgl_kernel").silu_and_mul(x)), "sgl_kernel", True),
+]
+
+
+# ---------------------------------------------------------------- backward (training)
+
+
+def rmsnorm_backward_bytes(tokens, hidden, dtype):
+    s = torch.finfo(dtype).bits // 8
+    return 3 * tokens * hidden * s + 2 * hidden * s  # read x, dy; write dx; read w, write dw
+
+
+def rmsnorm_backward_inputs(tokens, hidden, dtype):
+    return lambda seed: (
+        rand((tokens, hidden), dtype, 10**5 + seed),
+        rand((tokens, hidden), dtype, seed),
+        rand((hidden,), dtype, 10**6 + seed),
+    )
+
+
+_compiled_rms_bwd = None
+
+
+def _compile_rmsnorm_backward(dy, x, w):
+    global _compiled_rms_bwd
+    from flashkern import ref
+
+    _compiled_rms_bwd = _compiled_rms_bwd or _compiled(ref.rmsnorm_backward)
+    return lambda: _compiled_rms_bwd(dy, x, w)
+
+
+RMSNORM_BACKWARD = [
+    Provider("flashkern", lambda dy, x, w: (lambda: torch.ops.flashkern.rmsnorm_backward(dy, x, w, 1e-6, 0.0)),
+             requires="flashkern"),
+    Provider("torch", lambda dy, x, w: (lambda: _flashkern().ref.rmsnorm_backward(dy, x, w)), requires="flashkern"),
+    Provider("torch.compile", _compile_rmsnorm_backward, requires="flashkern"),
+]
+
+
+def silu_and_mul_backward_bytes(tokens, d, dtype):
+    return 5 * tokens * d * (torch.finfo(dtype).bits // 8)  # read x (2d), dy (d); write dx (2d)
+
+
+def silu_and_mul_backward_inputs(tokens, d, dtype):
+    return lambda seed: (rand((tokens, d), dtype, 10**5 + seed), rand((tokens, 2 * d), dtype, seed))
+
+
+SILU_AND_MUL_BACKWARD = [
+    Provider("flashkern", lambda dy, x: (lambda: torch.ops.flashkern.act_and_mul_backward(dy, x, "silu")),
+             requires="flashkern"),
+    Provider("torch", lambda dy, x: (lambda: _flashkern().ref.act_and_mul_backward(dy, x, "silu")), requires="flashkern"),
+]
+
+
+def _flashkern():
+    import flashkern
+
+    return flashkern

@@ -1,0 +1,75 @@
+"""The benchmark suite itself: bench/ runs (its smoke set: CPU providers here, the GPU path where a
+GPU is visible), records the numbers the report needs, reports missing peers, and the report
+turns its JSON into a markdown table and a plot."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = {"rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "silu_and_mul_backward"}
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    env = {**os.environ, "FLASHKERN_BENCH_SET": "smoke", "FLASHKERN_COMMIT": "test-commit"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", f"--benchmark-json={out}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    assert "providers not run:" in run.stdout  # peers absent here are named, not dropped
+    return out
+
+
+def test_every_op_is_measured_with_bytes_and_bandwidth(bench_json):
+    data = json.loads(bench_json.read_text())
+    info = data["machine_info"]["flashkern"]
+    assert info["commit"] == "test-commit" and info["torch"] and info["copy_gbps"] > 0
+    assert info["missing_providers"], "the peers not installed here must be listed"
+    extras = [b["extra_info"] for b in data["benchmarks"]]
+    assert {e["op"] for e in extras} == OPS
+    for e in extras:
+        assert e["bytes"] > 0 and e["median_us"] > 0 and e["host_us"] > 0
+        assert abs(e["gbps"] - e["bytes"] / (e["median_us"] * 1e-6) / 1e9) < 1e-6 * e["gbps"]
+        assert e["pct_copy"] > 0
+    for op in OPS:
+        providers = {e["provider"] for e in extras if e["op"] == op}
+        assert {"flashkern", "torch"} <= providers, (op, providers)
+
+
+def test_clock_reports_time_per_launch():
+    """pytest-benchmark times a round of K launches with bench.harness.clock scaled by 1/K, so its
+    statistics (and --benchmark-compare) are per launch. 40 ms with K = 4 must read about 10 ms."""
+    sys.path.insert(0, str(ROOT))
+    from bench.harness import DeviceClock
+
+    clock = DeviceClock()
+    clock.scale = 1 / 4
+    start = clock()
+    time.sleep(0.04)
+    assert 0.009 < clock() - start < 0.02
+
+
+def test_report_writes_table_and_plot(bench_json, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "bench.report", str(bench_json), "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    md = (tmp_path / "bench.md").read_text()
+    for op in OPS:
+        assert f"## {op}" in md
+    assert "| flashkern |" in md and "vs torch" in md and "test-commit" in md and "not run:" in md
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_refuses_a_file_without_benchmarks(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"machine_info": {}, "benchmarks": []}))
+    run = subprocess.run([sys.executable, "-m", "bench.report", str(empty)], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode != 0 and "no flashkern benchmarks" in run.stderr
