@@ -27,6 +27,14 @@ def model_shapes(sizes: dict):
     return [(f"{name} t={t}", t, size) for name, size in models for t in tokens]
 
 
+def variant_shapes(sizes: dict):
+    """One decode and one prefill shape: for ops that share a kernel with a fully benchmarked one."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 4, 256)]
+    size = next(iter(sizes.values()))
+    return [(f"t={t}", t, size) for t in (64, 4096)]
+
+
 def sweep_shapes(size: int):
     """Token counts 1 .. 64K at one size: where each kernel leaves the bandwidth roof."""
     if BENCH_SET == "smoke":
@@ -36,6 +44,19 @@ def sweep_shapes(size: int):
 
 
 DTYPES = [torch.bfloat16] if BENCH_SET != "full" else [torch.bfloat16, torch.float16]
+
+
+def params(providers, shapes, *lead):
+    """pytest params (*lead, provider, label, tokens, size, dtype) for every provider, shape and dtype."""
+    import pytest
+
+    return [
+        pytest.param(*lead, p, label, t, size, dtype,
+                     id="-".join([*map(str, lead), p.name, label.replace(" ", "-"), str(size), str(dtype)[6:]]))
+        for label, t, size in shapes
+        for dtype in DTYPES
+        for p in providers
+    ]
 
 
 def rand(shape, dtype, seed):
@@ -97,6 +118,29 @@ RMSNORM = [
     Provider("liger", _liger_rmsnorm, "liger_kernel", True),
     Provider("sglang", lambda x, w: (lambda: __import__("sgl_kernel").rmsnorm(x, w, 1e-6)), "sgl_kernel", True),
     Provider("aiter", lambda x, w: (lambda: __import__("aiter").rmsnorm2d_fwd(x, w, 1e-6)), "aiter", True),
+]
+
+
+def _hf_gemma_rmsnorm(x, w, eps=1e-6):  # Gemma: (1 + w) in float32, then cast
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).to(x.dtype)
+
+
+_compiled_gemma = None
+
+
+def _compile_gemma(x, w):
+    global _compiled_gemma
+    _compiled_gemma = _compiled_gemma or _compiled(_hf_gemma_rmsnorm)
+    return lambda: _compiled_gemma(x, w)
+
+
+GEMMA_RMSNORM = [
+    Provider("flashkern", lambda x, w: (lambda: _flashkern().gemma_rmsnorm(x, w, 1e-6)), requires="flashkern"),
+    Provider("torch", lambda x, w: (lambda: _hf_gemma_rmsnorm(x, w))),
+    Provider("torch.compile", _compile_gemma),
+    Provider("flashinfer", lambda x, w: (lambda: __import__("flashinfer").norm.gemma_rmsnorm(x, w, 1e-6)), "flashinfer", True),
 ]
 
 
@@ -167,25 +211,42 @@ def silu_and_mul_inputs(tokens, d, dtype):
     return lambda seed: (rand((tokens, 2 * d), dtype, seed),)
 
 
-def _torch_swiglu(x):
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+_TORCH_ACT = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
-_compiled_swiglu = None
+def _torch_act_and_mul(act):
+    def fn(x):
+        d = x.shape[-1] // 2
+        return _TORCH_ACT[act](x[..., :d]) * x[..., d:]
+
+    return fn
 
 
-def _compile_swiglu(x):
-    global _compiled_swiglu
-    _compiled_swiglu = _compiled_swiglu or _compiled(_torch_swiglu)
-    return lambda: _compiled_swiglu(x)
+_compiled_act = {}
 
 
-def _vllm_swiglu(x):
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+def _compile_act_and_mul(act):
+    def make(x):
+        if act not in _compiled_act:
+            _compiled_act[act] = _compiled(_torch_act_and_mul(act))
+        return lambda: _compiled_act[act](x)
 
-    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-    return lambda: torch.ops._C.silu_and_mul(out, x)
+    return make
+
+
+def _vllm_act_and_mul(act):
+    def make(x):
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        kernel = getattr(torch.ops._C, f"{act}_and_mul")
+        return lambda: kernel(out, x)
+
+    return make
 
 
 def _liger_swiglu(x):
@@ -195,15 +256,24 @@ def _liger_swiglu(x):
     return lambda: LigerSiLUMulFunction.apply(gate, up)
 
 
-SILU_AND_MUL = [
-    Provider("flashkern", lambda x: (lambda: _flashkern().silu_and_mul(x)), requires="flashkern"),
-    Provider("torch", lambda x: (lambda: _torch_swiglu(x))),
-    Provider("torch.compile", _compile_swiglu),
-    Provider("flashinfer", lambda x: (lambda: __import__("flashinfer").activation.silu_and_mul(x)), "flashinfer", True),
-    Provider("vllm", _vllm_swiglu, "vllm._custom_ops", True),
-    Provider("liger", _liger_swiglu, "liger_kernel", True),
-    Provider("sglang", lambda x: (lambda: __import__("sgl_kernel").silu_and_mul(x)), "sgl_kernel", True),
-]
+def act_and_mul_providers(act):
+    """silu_and_mul, gelu_and_mul, gelu_tanh_and_mul: the same providers, each with its activation."""
+    name = f"{act}_and_mul"
+    providers = [
+        Provider("flashkern", lambda x: (lambda: getattr(_flashkern(), name)(x)), requires="flashkern"),
+        Provider("torch", lambda x: (lambda: _torch_act_and_mul(act)(x))),
+        Provider("torch.compile", _compile_act_and_mul(act)),
+        Provider("flashinfer", lambda x: (lambda: getattr(__import__("flashinfer").activation, name)(x)),
+                 "flashinfer", True),
+        Provider("vllm", _vllm_act_and_mul(act), "vllm._custom_ops", True),
+        Provider("sglang", lambda x: (lambda: getattr(__import__("sgl_kernel"), name)(x)), "sgl_kernel", True),
+    ]
+    if act == "silu":
+        providers.append(Provider("liger", _liger_swiglu, "liger_kernel", True))
+    return providers
+
+
+SILU_AND_MUL = act_and_mul_providers("silu")
 
 
 # ---------------------------------------------------------------- backward (training)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OPS = {"rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "silu_and_mul_backward"}
+OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "gelu_and_mul",
+       "gelu_tanh_and_mul", "silu_and_mul_backward"}
 
 
 @pytest.fixture(scope="module")
