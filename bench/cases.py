@@ -326,6 +326,84 @@ SILU_AND_MUL_BACKWARD = [
 ]
 
 
+# ---------------------------------------------------------------- rope (in place, as in inference)
+
+ROPE_HEADS = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "llama3-70b": (64, 8, 128)}
+
+
+def rope_shapes():
+    """[(label, tokens, (q_heads, k_heads, head_dim))]."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 4, (2, 1, 64))]
+    models = list(ROPE_HEADS.items()) if BENCH_SET == "full" else list(ROPE_HEADS.items())[:1]
+    tokens = DECODE_TOKENS + PREFILL_TOKENS if BENCH_SET == "full" else [1, 64, 4096, 32768]
+    return [(f"{name} t={t}", t, heads) for name, heads in models for t in tokens]
+
+
+def rope_bytes(tokens, heads, dtype):
+    q_heads, k_heads, head_dim = heads
+    return 2 * tokens * (q_heads + k_heads) * head_dim * (torch.finfo(dtype).bits // 8) + 8 * tokens
+
+
+def rope_inputs(tokens, heads, dtype):
+    q_heads, k_heads, head_dim = heads
+    return lambda seed: (
+        rand((tokens, q_heads, head_dim), dtype, seed),
+        rand((tokens, k_heads, head_dim), dtype, 10**5 + seed),
+        torch.arange(tokens, device="cuda" if GPU else "cpu") + 1000 * seed,
+    )
+
+
+def _hf_rope(q, k, pos, inv_freq):
+    """As Hugging Face models apply it: cos/sin from an fp32 outer product, rotate_half."""
+    angle = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angle, angle], dim=-1)
+    cos, sin = emb.cos()[:, None, :].to(q.dtype), emb.sin()[:, None, :].to(q.dtype)
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _torch_rope(q, k, pos):
+    inv_freq = _flashkern().rope_scaling.theta_inv_freq(q.shape[-1], 1e4, device=q.device)
+    return lambda: _hf_rope(q, k, pos, inv_freq)
+
+
+_compiled_rope = None
+
+
+def _compile_rope(q, k, pos):
+    global _compiled_rope
+    _compiled_rope = _compiled_rope or _compiled(_hf_rope)
+    inv_freq = _flashkern().rope_scaling.theta_inv_freq(q.shape[-1], 1e4, device=q.device)
+    return lambda: _compiled_rope(q, k, pos, inv_freq)
+
+
+def _liger_rope(q, k, pos):
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    inv_freq = _flashkern().rope_scaling.theta_inv_freq(q.shape[-1], 1e4, device=q.device)
+    angle = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angle, angle], dim=-1)[None]
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    q4, k4 = q.transpose(0, 1)[None].contiguous(), k.transpose(0, 1)[None].contiguous()  # [1, heads, tokens, dim]
+    return lambda: LigerRopeFunction.apply(q4, k4, cos, sin)
+
+
+ROPE = [
+    Provider("flashkern", lambda q, k, pos: (lambda: _flashkern().apply_rope_pos_ids_inplace(q, k, pos)),
+             requires="flashkern"),
+    Provider("torch", _torch_rope, requires="flashkern"),
+    Provider("torch.compile", _compile_rope, requires="flashkern"),
+    Provider("flashinfer", lambda q, k, pos: (lambda: __import__("flashinfer").rope.apply_rope_pos_ids_inplace(q, k, pos)),
+             "flashinfer", True),
+    Provider("liger", _liger_rope, "liger_kernel", True),
+]
+
+
 def _flashkern():
     import flashkern
 

@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc" if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 HIPCC = shutil.which("hipcc")
+SOURCES = ["rmsnorm", "act_and_mul", "rope"]
+FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel", "act_and_mul_kernel",
+            "act_and_mul_backward_kernel", "rope_kernel"]
 CMAKE = shutil.which("cmake")
 NINJA = shutil.which("ninja")
 
@@ -83,8 +86,7 @@ def test_cuda_kernels_compile_for_sm80_and_sm90_without_spills(cuda_build):
     archs = {sm for _, sm in reports}
     assert archs == {"sm_80", "sm_90"}, archs
     names = demangle(sorted(kernels))
-    for family in ("rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel",
-                   "act_and_mul_kernel", "act_and_mul_backward_kernel"):
+    for family in FAMILIES:
         assert any(f"fk::{family}<" in n for n in names.values()), f"no {family} in the ptxas report"
     spills = {f"{names[k]} {sm}": v for (k, sm), v in reports.items() if v[1] or v[2]}
     assert not spills, f"register spills: {spills}"
@@ -98,7 +100,7 @@ def ptx_entries(ptx):
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-@pytest.mark.parametrize("source", ["rmsnorm", "act_and_mul"])
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_cuda_ptx_has_16_byte_global_loads(cuda_build, source, arch):
     build, _ = cuda_build
@@ -150,14 +152,13 @@ def hip_resource_usage(log):
 def test_hip_kernels_compile_for_wave64_and_wave32(hip_build):
     build, log = hip_build
     assert (build / "libflashkern_hip.a").exists()
-    for source in ("rmsnorm", "act_and_mul"):
+    for source in SOURCES:
         obj = (build / "hip" / f"{source}.o").read_bytes()
         for arch in ("gfx90a", "gfx1030"):
             assert f"amdgcn-amd-amdhsa--{arch}".encode() in obj, f"{source}.o has no {arch} code object"
     usage = hip_resource_usage(log)
     names = {name for name, _ in usage}
-    for family in ("rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel",
-                   "act_and_mul_kernel", "act_and_mul_backward_kernel"):
+    for family in FAMILIES:
         assert any(family in n for n in names), f"no {family} in the resource report"
     # Memory spills are VGPRs to scratch. (SGPR spills go to VGPR lanes, not memory: allowed.)
     spilled = [name for name, u in usage if u["VGPRs Spill"] or u["ScratchSize [bytes/lane]"]]

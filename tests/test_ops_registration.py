@@ -26,6 +26,14 @@ def op_cases(device):
         yield ops.act_and_mul.default, (a, act)
         yield ops.act_and_mul_out.default, (a.new_empty(3, 5, 24).detach(), a.detach(), act)
         yield ops.act_and_mul_backward.default, (rand((3, 5, 24), torch.float32, device, seed=4), a.detach(), act)
+    q = rand((6, 4, 32), torch.float32, device, seed=5).requires_grad_()
+    k = rand((6, 2, 32), torch.float32, device, seed=6).requires_grad_()
+    pos = torch.arange(6, device=device) * 3
+    inv_freq = flashkern.rope_scaling.theta_inv_freq(24, 1e4).to(device)
+    cache = flashkern.cos_sin_cache(inv_freq, 32)
+    for freqs, interleave in ((inv_freq, False), (cache, True)):
+        yield ops.rope.default, (q, k, pos, freqs, interleave, False)
+        yield ops.rope_.default, (q.detach().clone(), k.detach().clone(), pos.int(), freqs, interleave)
 
 
 def test_opcheck(device):
@@ -36,7 +44,11 @@ def test_opcheck(device):
 def _model(x, residual, w_norm, w_up):
     flashkern.fused_add_rmsnorm(x, residual, w_norm)
     h = flashkern.rmsnorm(x, w_norm) @ w_up
-    return flashkern.silu_and_mul(h) + flashkern.gelu_tanh_and_mul(h)
+    q = h.view(h.shape[0], 3, 32)
+    pos = torch.arange(h.shape[0], device=h.device)
+    q_rot, _ = flashkern.apply_rope_pos_ids(q, q, pos, rotary_dim=16)
+    flashkern.apply_llama31_rope_pos_ids_inplace(q, q.clone(), pos)
+    return flashkern.silu_and_mul(h) + flashkern.gelu_tanh_and_mul(h) + q_rot.view(h.shape)[:, :48] + q.view(h.shape)[:, 48:]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -72,11 +84,14 @@ def test_cuda_graph_capture_and_replay():
     gate_up = rand((37, 2 * 4096), torch.bfloat16, "cuda", seed=3)
     out, act = torch.empty_like(x), torch.empty(37, 4096, dtype=torch.bfloat16, device="cuda")
     x_run, res_run = x.clone(), res.clone()
+    q, k = rand((37, 8, 128), torch.bfloat16, "cuda", seed=4), rand((37, 2, 128), torch.bfloat16, "cuda", seed=5)
+    q_run, k_run, pos = q.clone(), k.clone(), torch.arange(37, device="cuda")
 
     def step():
         flashkern.fused_add_rmsnorm(x_run, res_run, w)
         flashkern.rmsnorm(x_run, w, out=out)
         flashkern.silu_and_mul(gate_up, out=act)
+        flashkern.apply_rope_pos_ids_inplace(q_run, k_run, pos)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -89,6 +104,9 @@ def test_cuda_graph_capture_and_replay():
     for _ in range(2):  # replays see new data in the same buffers
         x_run.copy_(x)
         res_run.copy_(res)
+        q_run.copy_(q)
+        k_run.copy_(k)
+        pos.add_(1000)
         gate_up.mul_(0.5)
         graph.replay()
         torch.cuda.synchronize()
@@ -97,3 +115,5 @@ def test_cuda_graph_capture_and_replay():
         assert_close(x_run, y)
         assert_close(out, flashkern.ref.rmsnorm(x_run.double(), w.double()))
         assert_close(act, flashkern.ref.act_and_mul(gate_up.double(), "silu"))
+        inv_freq = flashkern.rope_scaling.theta_inv_freq(128, 1e4).cuda()
+        assert_close(q_run, flashkern.ref.rope(q.double(), k.double(), pos, inv_freq)[0], torch.bfloat16)

@@ -26,6 +26,12 @@ TORCH_LIBRARY(flashkern, m) {
   m.def("act_and_mul(Tensor input, str activation) -> Tensor");
   m.def("act_and_mul_out(Tensor(a!) out, Tensor input, str activation) -> ()");
   m.def("act_and_mul_backward(Tensor grad_out, Tensor input, str activation) -> Tensor");
+  // rotary position embedding of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] at
+  // positions [tokens]; freqs: inv_freq [rotary_dim / 2] or cos_sin_cache [max_position, rotary_dim]
+  m.def(
+      "rope(Tensor q, Tensor k, Tensor positions, Tensor freqs, bool interleave, bool inverse) "
+      "-> (Tensor q_out, Tensor k_out)");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor freqs, bool interleave) -> ()");
 }
 
 // What this binary was built with, for flashkern.info().

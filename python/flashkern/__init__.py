@@ -13,10 +13,34 @@ from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
+from .rope import (
+    apply_llama31_rope,
+    apply_llama31_rope_inplace,
+    apply_llama31_rope_pos_ids,
+    apply_llama31_rope_pos_ids_inplace,
+    apply_rope,
+    apply_rope_inplace,
+    apply_rope_pos_ids,
+    apply_rope_pos_ids_inplace,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
+)
+from .rope_scaling import cos_sin_cache, rope_frequencies, rope_frequencies_from_config
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "apply_llama31_rope",
+    "apply_llama31_rope_inplace",
+    "apply_llama31_rope_pos_ids",
+    "apply_llama31_rope_pos_ids_inplace",
+    "apply_rope",
+    "apply_rope_inplace",
+    "apply_rope_pos_ids",
+    "apply_rope_pos_ids_inplace",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "cos_sin_cache",
     "check",
     "fused_add_rmsnorm",
     "gelu_and_mul",
@@ -27,6 +51,8 @@ __all__ = [
     "info",
     "ref",
     "rmsnorm",
+    "rope_frequencies",
+    "rope_frequencies_from_config",
     "set_backend",
     "silu_and_mul",
 ]

@@ -101,3 +101,51 @@ def check_act_and_mul_output(op, name, t, input):
             f"{op}: {name} must have shape {expected} (input's with the last dimension halved), got {tuple(t.shape)}"
         )
     check_last_dim_contiguous(op, name, t)
+
+
+def check_rope(op, q, k, positions, freqs, reference, check_positions=False):
+    """q [tokens, q_heads, head_dim], k [tokens, k_heads, head_dim], positions [tokens] int32/int64,
+    freqs: inv_freq [rotary_dim / 2] or cos_sin_cache [max_position, rotary_dim], float32."""
+    for name, t in (("q", q), ("k", k), ("positions", positions), ("freqs", freqs)):
+        check_tensor(op, name, t)
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be 3-D [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    check_float(op, "q", q, reference)
+    check_same(op, "k", k, "q", q, same_shape=False)
+    if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"{op}: k must be [tokens, heads, head_dim] with q's tokens and head_dim {tuple(q.shape[::2])}, "
+            f"got shape {tuple(k.shape)}"
+        )
+    check_last_dim_contiguous(op, "q", q)
+    check_last_dim_contiguous(op, "k", k)
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: positions must be int32 or int64, got {positions.dtype}")
+    if positions.device != q.device:
+        raise ValueError(f"{op}: positions is on {positions.device} but q is on {q.device}")
+    if positions.dim() != 1 or positions.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: positions must have shape [{q.shape[0]}] (one per token), got {tuple(positions.shape)}")
+    if freqs.dtype != torch.float32:
+        raise TypeError(f"{op}: the frequency table (inv_freq or cos_sin_cache) must be float32, got {freqs.dtype}")
+    if freqs.device != q.device:
+        raise ValueError(f"{op}: the frequency table is on {freqs.device} but q is on {q.device}")
+    if freqs.dim() not in (1, 2) or not freqs.is_contiguous():
+        raise ValueError(
+            f"{op}: the frequency table must be a contiguous inv_freq [rotary_dim / 2] or "
+            f"cos_sin_cache [max_position, rotary_dim], got shape {tuple(freqs.shape)}"
+        )
+    rotary_dim = 2 * freqs.shape[0] if freqs.dim() == 1 else freqs.shape[1]
+    if rotary_dim == 0 or rotary_dim % 2 or rotary_dim > q.shape[2]:
+        raise ValueError(
+            f"{op}: rotary_dim must be even, positive and at most head_dim {q.shape[2]}, got {rotary_dim}"
+        )
+    # Only where reading positions costs no device sync (the CPU implementation): the GPU kernel
+    # writes NaN for a token whose position is outside the cache instead.
+    if check_positions and freqs.dim() == 2 and positions.device.type == "cpu" and positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= freqs.shape[0]:
+            raise ValueError(
+                f"{op}: positions must lie in [0, {freqs.shape[0]}) for a cos_sin_cache of {freqs.shape[0]} rows, "
+                f"got positions from {lo} to {hi}"
+            )
+    return rotary_dim

@@ -2,7 +2,8 @@
 
 import torch
 
-from . import _backend, activation, norm, ref
+from . import _backend, activation, norm, ref, rope
+from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
 
 SHAPES = {"norm": [(1, 1), (37, 769), (4, 4096), (3, 5, 128)], "act": [(1, 2), (37, 2 * 769), (4, 2 * 4096)]}
@@ -36,6 +37,24 @@ def _cases(device, dtype, gen):
             yield f"{name}_and_mul", shape, fn(x), ref.act_and_mul(x.double(), name)
 
 
+def _rope_cases(device, dtype, gen):
+    tokens = 37
+    q, k = _rand((tokens, 8, 128), dtype, device, gen), _rand((tokens, 2, 128), dtype, device, gen)
+    pos = torch.randint(0, 32768, (tokens,), generator=gen).to(device)
+    for interleave in (False, True):
+        name = "apply_rope_pos_ids" + (" (interleave)" if interleave else "")
+        inv_freq = theta_inv_freq(96, 5e5).to(device)
+        actual = rope.apply_rope_pos_ids(q, k, pos, rotary_dim=96, interleave=interleave, rope_theta=5e5)
+        expected = ref.rope(q.double(), k.double(), pos, inv_freq, interleave)
+        yield name, tuple(q.shape), torch.cat([a.flatten() for a in actual]), torch.cat([e.flatten() for e in expected])
+    cache = cos_sin_cache(theta_inv_freq(128, 1e4), 32768).to(device)
+    actual = rope.apply_rope_with_cos_sin_cache(pos, q.flatten(1), k.flatten(1), 128, cache)
+    expected = ref.rope(q.double(), k.double(), pos, cache)
+    yield "apply_rope_with_cos_sin_cache", tuple(q.shape), torch.cat([a.flatten() for a in actual]), torch.cat(
+        [e.flatten() for e in expected]
+    )
+
+
 def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list:
     """Rows of (op, device, backend, dtype, shape, max abs error, passed), one per case."""
     if devices is None:
@@ -45,7 +64,7 @@ def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -
     for device in devices:
         backend = _backend.backend_for(torch.device(device))
         for dtype in dtypes:
-            for op, shape, actual, expected in _cases(device, dtype, gen):
+            for op, shape, actual, expected in [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen)]:
                 actual = actual.double().cpu()
                 expected = expected.cpu()
                 tol = tolerance(dtype)

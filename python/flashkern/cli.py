@@ -22,12 +22,12 @@ def _print_info(data):
 
 
 def _print_check(rows):
-    header = f"{'op':24} {'device':7} {'backend':9} {'dtype':8} {'shape':14} {'max abs err':>11}  result"
+    header = f"{'op':32} {'device':7} {'backend':9} {'dtype':8} {'shape':14} {'max abs err':>11}  result"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['op']:24} {r['device']:7} {r['backend']:9} {r['dtype']:8} {str(r['shape']):14} "
+            f"{r['op']:32} {r['device']:7} {r['backend']:9} {r['dtype']:8} {str(r['shape']):14} "
             f"{r['max_abs_err']:11.2e}  {'pass' if r['passed'] else 'FAIL'}"
         )
     failed = sum(not r["passed"] for r in rows)

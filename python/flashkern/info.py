@@ -12,6 +12,7 @@ OPS = (
     "silu_and_mul",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
+    "apply_rope (all variants)",
 )
 
 

@@ -69,10 +69,33 @@ struct ActAndMulBackwardParams {
   Activation act;
 };
 
+// Rotary position embedding of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim]:
+// each pair (x1, x2) of the first rotary_dim dimensions of a head turns by angle a:
+//   (x1 cos a - x2 sin a, x2 cos a + x1 sin a)       (inverse: by -a; the backward of a rotation)
+// pairs are (i, i + rotary_dim / 2) (NeoX, "rotate half") or (2i, 2i + 1) (GPT-J, interleave).
+// a = float(position) * inv_freq[i] in fp32 (inv_freq [rotary_dim / 2]), or cos a and sin a come
+// from cos_sin_cache[position] = [cos... | sin...] ([cache_rows, rotary_dim]). Dimensions past
+// rotary_dim are copied (out of place) or left alone (in place: out == input).
+struct RopeParams {
+  void* q_out;                 // [tokens, q_heads, head_dim] dtype
+  void* k_out;                 // [tokens, k_heads, head_dim] dtype
+  const void* q;               // [tokens, q_heads, head_dim] dtype
+  const void* k;               // [tokens, k_heads, head_dim] dtype
+  const void* positions;       // [tokens] int32 or int64
+  const float* inv_freq;       // [rotary_dim / 2], or nullptr
+  const float* cos_sin_cache;  // [cache_rows, rotary_dim], or nullptr
+  int64_t q_out_strides[2], k_out_strides[2], q_strides[2], k_strides[2];  // token, head (elements)
+  int64_t tokens, cache_rows;
+  int q_heads, k_heads, head_dim, rotary_dim;
+  bool positions_int64, interleave, inverse;
+  DType dtype;
+};
+
 const char* launch_rmsnorm(const RmsnormParams& p, void* stream);
 size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p);
 const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream);
 const char* launch_act_and_mul(const ActAndMulParams& p, void* stream);
 const char* launch_act_and_mul_backward(const ActAndMulBackwardParams& p, void* stream);
+const char* launch_rope(const RopeParams& p, void* stream);
 
 }  // namespace fk

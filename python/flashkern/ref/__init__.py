@@ -7,5 +7,6 @@ float64 inputs, so calling them on float64 copies gives the exact answer to comp
 
 from .activation import act_and_mul, act_and_mul_backward
 from .norm import fused_add_rmsnorm, rmsnorm, rmsnorm_backward
+from .rope import rope
 
-__all__ = ["act_and_mul", "act_and_mul_backward", "fused_add_rmsnorm", "rmsnorm", "rmsnorm_backward"]
+__all__ = ["act_and_mul", "act_and_mul_backward", "fused_add_rmsnorm", "rmsnorm", "rmsnorm_backward", "rope"]
