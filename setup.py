@@ -122,5 +122,10 @@ setup(
     entry_points={"console_scripts": ["flashkern = flashkern.cli:main"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
-    extras_require={"test": ["pytest", "numpy", "expecttest"], "bench": ["pytest-benchmark"]},
+    extras_require={
+        "test": ["pytest", "numpy", "expecttest"],
+        "bench": ["pytest-benchmark", "matplotlib"],
+        "transformers": ["transformers>=4.50"],
+        "cupy": ["cupy"],
+    },
 )

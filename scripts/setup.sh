@@ -25,7 +25,7 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
-pip install setuptools wheel torch==2.14.1 numpy pytest pytest-benchmark expecttest ninja matplotlib
+pip install setuptools wheel torch==2.14.1 numpy pytest pytest-benchmark expecttest ninja matplotlib transformers==5.24.0
 
 start=$(date +%s)
 PATH="$PWD/.venv/bin:$PATH" pip install --no-build-isolation .

@@ -91,3 +91,39 @@ def test_act_and_mul_backward(device, tokens, d, dtype, act):
 def test_act_and_mul_gradcheck_float64(act):
     x = rand((5, 2 * 13), torch.float64, "cpu", seed=9).requires_grad_()
     assert torch.autograd.gradcheck(fn(act), (x,))
+
+
+@pytest.mark.parametrize("tokens,d", [(1, 1), (37, 769), (989, 4096)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_act_mul_two_tensors(device, tokens, d, dtype, act):
+    """act_mul(gate, up) is act_and_mul(cat([gate, up])) without the concatenation; and its backward."""
+    gate = rand((tokens, d), dtype, device, scale=2.0, seed=10).requires_grad_()
+    up = rand((tokens, d), dtype, device, seed=11).requires_grad_()
+    y = flashkern.act_mul(gate, up, act)
+    x = torch.cat([gate.detach(), up.detach()], dim=-1).double()
+    assert_close(y, ref.act_and_mul(x, act), dtype)
+    dy = rand((tokens, d), dtype, device, seed=12)
+    y.backward(dy)
+    expected = ref.act_and_mul_backward(dy.double(), x, act)
+    assert_close(gate.grad, expected[:, :d], dtype)
+    assert_close(up.grad, expected[:, d:], dtype)
+
+
+def test_act_mul_strided_and_bad_input(device):
+    base = rand((37, 3 * 64), torch.bfloat16, device, seed=13)
+    gate, up = base[:, :64], base[:, 128:]  # halves of a wider projection output
+    assert_close(flashkern.act_mul(gate, up), ref.act_mul(gate.double(), up.double()), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"up must have the shape of gate"):
+        flashkern.act_mul(gate, up[:, :32])
+    with pytest.raises(TypeError, match=r"up must have the dtype of gate"):
+        flashkern.act_mul(gate, up.float())
+    with pytest.raises(ValueError, match=r"activation must be 'silu', 'gelu' or 'gelu_tanh', got 'relu'"):
+        flashkern.act_mul(gate, up, "relu")
+
+
+def test_act_mul_gradcheck_float64():
+    gate = rand((5, 7), torch.float64, "cpu", seed=14).requires_grad_()
+    up = rand((5, 7), torch.float64, "cpu", seed=15).requires_grad_()
+    for act in ACTIVATIONS:
+        assert torch.autograd.gradcheck(lambda a, b: flashkern.act_mul(a, b, act), (gate, up))

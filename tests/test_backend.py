@@ -92,3 +92,24 @@ def test_forced_reference_on_gpu():
         assert_close(flashkern.rmsnorm(x, w), ref.rmsnorm(x.double(), w.double()))
     finally:
         flashkern.set_backend(previous)
+
+
+def test_rocm_device_details_from_hip_python_or_torch(monkeypatch):
+    """On ROCm, info() reports gcnArchName, wavefront size and CUs (HIP Python when installed, else
+    torch) and which kernel width runs. Checked here with stand-ins for both sources."""
+    import sys
+    import types
+
+    from flashkern.info import _rocm_details
+
+    props = types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-", warp_size=64, multi_processor_count=304)
+    monkeypatch.setitem(sys.modules, "hip", None)  # HIP Python absent: torch's properties
+    assert _rocm_details(0, props) == {"arch": "gfx942:sramecc+:xnack-", "warp_size": 64, "multiprocessors": 304,
+                                       "source": "torch", "kernels": "wave64"}
+    hip_props = types.SimpleNamespace(gcnArchName=b"gfx1100", warpSize=32, multiProcessorCount=48)
+    fake_hip = types.SimpleNamespace(
+        hipError_t=types.SimpleNamespace(hipSuccess=0), hipGetDeviceProperties=lambda i: (0, hip_props)
+    )
+    monkeypatch.setitem(sys.modules, "hip", types.SimpleNamespace(hip=fake_hip))
+    details = _rocm_details(0, props)
+    assert details["source"] == "hip-python" and details["arch"] == "gfx1100" and details["kernels"] == "wave32"

@@ -26,6 +26,9 @@ def op_cases(device):
         yield ops.act_and_mul.default, (a, act)
         yield ops.act_and_mul_out.default, (a.new_empty(3, 5, 24).detach(), a.detach(), act)
         yield ops.act_and_mul_backward.default, (rand((3, 5, 24), torch.float32, device, seed=4), a.detach(), act)
+    g, u = rand((5, 24), torch.float32, device, seed=7).requires_grad_(), rand((5, 24), torch.float32, device, seed=8)
+    yield ops.act_mul.default, (g, u.requires_grad_(), "gelu_tanh")
+    yield ops.act_mul_backward.default, (u.detach(), g.detach(), u.detach(), "silu")
     q = rand((6, 4, 32), torch.float32, device, seed=5).requires_grad_()
     k = rand((6, 2, 32), torch.float32, device, seed=6).requires_grad_()
     pos = torch.arange(6, device=device) * 3

@@ -26,6 +26,9 @@ TORCH_LIBRARY(flashkern, m) {
   m.def("act_and_mul(Tensor input, str activation) -> Tensor");
   m.def("act_and_mul_out(Tensor(a!) out, Tensor input, str activation) -> ()");
   m.def("act_and_mul_backward(Tensor grad_out, Tensor input, str activation) -> Tensor");
+  // out = act(gate) * up: act_and_mul with the halves as two tensors (no concatenation)
+  m.def("act_mul(Tensor gate, Tensor up, str activation) -> Tensor");
+  m.def("act_mul_backward(Tensor grad_out, Tensor gate, Tensor up, str activation) -> (Tensor grad_gate, Tensor grad_up)");
   // rotary position embedding of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] at
   // positions [tokens]; freqs: inv_freq [rotary_dim / 2] or cos_sin_cache [max_position, rotary_dim]
   m.def(

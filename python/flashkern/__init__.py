@@ -9,7 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers the op schemas: torch.ops.flashkern.*)
 from . import ref
 from ._backend import get_backend, set_backend
-from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
+from .activation import act_mul, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
@@ -30,6 +30,7 @@ from .rope_scaling import cos_sin_cache, rope_frequencies, rope_frequencies_from
 __version__ = "0.1.0"
 
 __all__ = [
+    "act_mul",
     "apply_llama31_rope",
     "apply_llama31_rope_inplace",
     "apply_llama31_rope_pos_ids",

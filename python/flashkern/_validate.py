@@ -149,3 +149,14 @@ def check_rope(op, q, k, positions, freqs, reference, check_positions=False):
                 f"got positions from {lo} to {hi}"
             )
     return rotary_dim
+
+
+def check_act_mul(op, gate, up, reference):
+    check_tensor(op, "gate", gate)
+    check_tensor(op, "up", up)
+    if gate.dim() < 1:
+        raise ValueError(f"{op}: gate must have at least one dimension, got a scalar")
+    check_float(op, "gate", gate, reference)
+    check_same(op, "up", up, "gate", gate)
+    check_last_dim_contiguous(op, "gate", gate)
+    check_last_dim_contiguous(op, "up", up)

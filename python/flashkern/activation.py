@@ -8,7 +8,9 @@ import torch
 
 from . import _backend, ref
 from ._validate import (
+    check_same,
     check_act_and_mul,
+    check_act_mul,
     check_act_and_mul_output,
     check_activation,
     check_tensor,
@@ -53,6 +55,18 @@ def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Te
     return _act_and_mul(input, "gelu_tanh", out)
 
 
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` for two tensors of one shape: silu_and_mul (or gelu_and_mul, gelu_tanh_and_mul)
+    of ``cat([gate, up], -1)`` without the concatenation, as a gated MLP with separate gate and up
+    projections produces them. Differentiable in gate and up."""
+    check_tensor("act_mul", "gate", gate)
+    if _backend.use_reference(gate.device):
+        check_activation("act_mul", activation)
+        check_act_mul("act_mul", gate, up, reference=True)
+        return ref.act_mul(gate, up, activation)
+    return _ops.act_mul(gate, up, activation)
+
+
 # ---- CPU: the reference, with the same checks as the kernels ----
 # Errors name the public op (silu_and_mul, ...), as the kernels' checks do.
 
@@ -83,7 +97,36 @@ def _act_and_mul_backward_cpu(grad_out, input, activation):
     return ref.act_and_mul_backward(grad_out, input, activation).contiguous()
 
 
+@torch.library.impl("flashkern::act_mul", "cpu")
+def _act_mul_cpu(gate, up, activation):
+    check_activation("act_mul", activation)
+    check_act_mul("act_mul", gate, up, reference=True)
+    return ref.act_mul(gate, up, activation).contiguous()
+
+
+@torch.library.impl("flashkern::act_mul_backward", "cpu")
+def _act_mul_backward_cpu(grad_out, gate, up, activation):
+    check_activation("act_mul_backward", activation)
+    check_act_mul("act_mul_backward", gate, up, reference=True)
+    check_same("act_mul_backward", "grad_out", grad_out, "gate", gate)
+    grad_gate, grad_up = ref.act_mul_backward(grad_out, gate, up, activation)
+    return grad_gate.contiguous(), grad_up.contiguous()
+
+
 # ---- fake functions ----
+
+
+@torch.library.register_fake("flashkern::act_mul")
+def _act_mul_fake(gate, up, activation):
+    check_activation("act_mul", activation)
+    check_act_mul("act_mul", gate, up, reference=gate.device.type == "cpu")
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake("flashkern::act_mul_backward")
+def _act_mul_backward_fake(grad_out, gate, up, activation):
+    check_act_mul("act_mul_backward", gate, up, reference=gate.device.type == "cpu")
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
 @torch.library.register_fake("flashkern::act_and_mul")
@@ -121,3 +164,20 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd("flashkern::act_and_mul", _backward, setup_context=_setup_context)
+
+
+def _act_mul_setup_context(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _act_mul_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    if grad.dim() >= 1 and grad.shape[-1] > 1 and grad.stride(-1) != 1:
+        grad = grad.contiguous()
+    grad_gate, grad_up = _ops.act_mul_backward(grad, gate, up, ctx.activation)
+    return grad_gate, grad_up, None
+
+
+torch.library.register_autograd("flashkern::act_mul", _act_mul_backward, setup_context=_act_mul_setup_context)

@@ -13,7 +13,7 @@ def _print_info(data):
     print("devices:")
     for d in data["devices"]:
         extra = "".join(
-            f", {k} {d[k]}" for k in ("arch", "multiprocessors", "warp_size", "memory_gib") if d.get(k) is not None
+            f", {k} {d[k]}" for k in ("arch", "multiprocessors", "warp_size", "kernels", "source", "memory_gib") if d.get(k) is not None
         )
         print(f"  {d['device']:8} {d['name']}{extra} -> {d['backend']}")
     print("ops:")

@@ -23,23 +23,53 @@ def _arch_warp_size(arch: str) -> int:
     return 32
 
 
+def _rocm_details(index, props):
+    """gcnArchName, wavefront size and compute units of a ROCm device: from HIP Python when installed,
+    else from torch; and which of flashkern's kernel widths runs there (the HIP launchers pick it from
+    the same wavefront size)."""
+    details = {
+        "arch": getattr(props, "gcnArchName", None),
+        "warp_size": getattr(props, "warp_size", None),
+        "multiprocessors": props.multi_processor_count,
+        "source": "torch",
+    }
+    try:
+        from hip import hip  # HIP Python
+
+        err, hip_props = hip.hipGetDeviceProperties(index)
+        if err == hip.hipError_t.hipSuccess:
+            arch = hip_props.gcnArchName
+            details.update(
+                arch=arch.decode() if isinstance(arch, bytes) else str(arch),
+                warp_size=int(hip_props.warpSize),
+                multiprocessors=int(hip_props.multiProcessorCount),
+                source="hip-python",
+            )
+    except ImportError:
+        pass
+    if details["warp_size"]:
+        details["kernels"] = f"wave{details['warp_size']}"
+    return details
+
+
 def _gpu_devices():
     if not torch.cuda.is_available():
         return []
     devices = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        devices.append(
-            {
-                "device": f"cuda:{i}",
-                "name": props.name,
-                "arch": getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}",
-                "multiprocessors": props.multi_processor_count,
-                "warp_size": getattr(props, "warp_size", None),
-                "memory_gib": round(props.total_memory / 2**30, 1),
-                "backend": _backend.backend_for(torch.device("cuda", i)),
-            }
-        )
+        device = {
+            "device": f"cuda:{i}",
+            "name": props.name,
+            "arch": f"sm_{props.major}{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "warp_size": getattr(props, "warp_size", None),
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "backend": _backend.backend_for(torch.device("cuda", i)),
+        }
+        if torch.version.hip:
+            device.update(_rocm_details(i, props))
+        devices.append(device)
     return devices
 
 

@@ -159,6 +159,12 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     _rope(op, q, k, positions, cos_sin_cache, not is_neox, inplace=True)
 
 
+def rope_with_table(q, k, positions, freqs, interleave=False):
+    """(q, k) rotated at `positions` by a frequency table: inv_freq [rotary_dim / 2] or a cos_sin_cache
+    [rows, rotary_dim] (cos then sin, float32). Differentiable in q and k."""
+    return _rope("rope", q, k, positions, freqs, interleave, inplace=False)
+
+
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 

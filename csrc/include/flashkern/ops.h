@@ -49,21 +49,26 @@ struct RmsnormBackwardParams {
   float eps, weight_offset;
 };
 
-// out = act(input[:, :cols]) * input[:, cols:]
+// out = act(gate) * up: for act_and_mul, gate = input[:, :cols] and up = input[:, cols:] (the same
+// layout, cols further on); for act_mul, two tensors.
 struct ActAndMulParams {
-  void* out;          // [rows, cols] dtype
-  const void* input;  // [rows, 2 * cols] dtype
-  RowLayout out_rows, input_rows;
+  void* out;         // [rows, cols] dtype
+  const void* gate;  // [rows, cols] dtype
+  const void* up;    // [rows, cols] dtype
+  RowLayout out_rows, gate_rows, up_rows;
   int64_t rows, cols;
   DType dtype;
   Activation act;
 };
 
+// grad_gate = dy * up * act'(gate), grad_up = dy * act(gate)
 struct ActAndMulBackwardParams {
-  void* grad_input;      // [rows, 2 * cols] dtype
+  void* grad_gate;       // [rows, cols] dtype
+  void* grad_up;         // [rows, cols] dtype
   const void* grad_out;  // [rows, cols] dtype
-  const void* input;     // [rows, 2 * cols] dtype
-  RowLayout grad_input_rows, grad_out_rows, input_rows;
+  const void* gate;      // [rows, cols] dtype
+  const void* up;        // [rows, cols] dtype
+  RowLayout grad_gate_rows, grad_up_rows, grad_out_rows, gate_rows, up_rows;
   int64_t rows, cols;
   DType dtype;
   Activation act;

@@ -47,3 +47,16 @@ def act_and_mul_backward(grad_out, input, activation_name="silu"):
     grad_gate = g * up * activation_derivative(activation_name, gate)
     grad_up = g * activation(activation_name, gate)
     return torch.cat([grad_gate, grad_up], dim=-1).to(input.dtype)
+
+
+def act_mul(gate, up, activation_name="silu"):
+    """act(gate) * up, rounded once to gate.dtype."""
+    c = compute_dtype(gate)
+    return (activation(activation_name, gate.to(c)) * up.to(c)).to(gate.dtype)
+
+
+def act_mul_backward(grad_out, gate, up, activation_name="silu"):
+    """(grad_gate, grad_up) = (dy * up * act'(gate), dy * act(gate))."""
+    c = compute_dtype(gate)
+    g, x, u = grad_out.to(c), gate.to(c), up.to(c)
+    return (g * u * activation_derivative(activation_name, x)).to(gate.dtype), (g * activation(activation_name, x)).to(up.dtype)

@@ -1,5 +1,5 @@
 // Gated activations (SwiGLU, GeGLU) and their backward.
-//   forward:  out = act(gate) * up,             gate = x[:, :d], up = x[:, d:]
+//   forward:  out = act(gate) * up,             gate = x[:, :d], up = x[:, d:] (or two tensors)
 //   backward: dgate = dy * up * act'(gate),     dup = dy * act(gate)
 // Threads: a block of kActThreads holds rows_per_block groups of threads_per_row threads (short
 // rows share a block); a group walks its row's 16-byte vectors, blockIdx.y splitting long rows;
@@ -50,10 +50,9 @@ FK_DEVICE void for_each_vector(int64_t rows, int64_t cols, const ActPlan& plan, 
 template <typename T, Activation A, int kVec>
 __global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(ActAndMulParams p, ActPlan plan) {
   for_each_vector<kVec>(p.rows, p.cols, plan, [&](int64_t row, int64_t v, int n) {
-    const T* gate = static_cast<const T*>(p.input) + p.input_rows.offset(row) + v * kVec;
     Vec<T, kVec> g, u, o;
-    g.load(gate, n);
-    u.load(gate + p.cols, n);
+    g.load(static_cast<const T*>(p.gate) + p.gate_rows.offset(row) + v * kVec, n);
+    u.load(static_cast<const T*>(p.up) + p.up_rows.offset(row) + v * kVec, n);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) o.set(i, Act<A>::f(g.f(i)) * u.f(i));
     o.store(static_cast<T*>(p.out) + p.out_rows.offset(row) + v * kVec, n);
@@ -63,29 +62,26 @@ __global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(ActAndMulParam
 template <typename T, Activation A, int kVec>
 __global__ void __launch_bounds__(kActThreads) act_and_mul_backward_kernel(ActAndMulBackwardParams p, ActPlan plan) {
   for_each_vector<kVec>(p.rows, p.cols, plan, [&](int64_t row, int64_t v, int n) {
-    const T* gate = static_cast<const T*>(p.input) + p.input_rows.offset(row) + v * kVec;
-    T* dgate = static_cast<T*>(p.grad_input) + p.grad_input_rows.offset(row) + v * kVec;
     Vec<T, kVec> g, u, d, dg, du;
-    g.load(gate, n);
-    u.load(gate + p.cols, n);
+    g.load(static_cast<const T*>(p.gate) + p.gate_rows.offset(row) + v * kVec, n);
+    u.load(static_cast<const T*>(p.up) + p.up_rows.offset(row) + v * kVec, n);
     d.load(static_cast<const T*>(p.grad_out) + p.grad_out_rows.offset(row) + v * kVec, n);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       dg.set(i, d.f(i) * u.f(i) * Act<A>::df(g.f(i)));
       du.set(i, d.f(i) * Act<A>::f(g.f(i)));
     }
-    dg.store(dgate, n);
-    du.store(dgate + p.cols, n);
+    dg.store(static_cast<T*>(p.grad_gate) + p.grad_gate_rows.offset(row) + v * kVec, n);
+    du.store(static_cast<T*>(p.grad_up) + p.grad_up_rows.offset(row) + v * kVec, n);
   });
 }
 
 // ---- launchers, shared by the CUDA and HIP translation units ----
 
-// 16-byte vectors need every row start, and the start of its `up` half, on a 16-byte boundary.
+// 16-byte vectors need every row start of every tensor on a 16-byte boundary.
 template <typename T>
-bool act_and_mul_wide(std::initializer_list<const void*> ptrs, std::initializer_list<RowLayout> rows, int64_t cols) {
+bool act_and_mul_wide(std::initializer_list<const void*> ptrs, std::initializer_list<RowLayout> rows) {
   constexpr int kVec = kVec16<T>;
-  if (cols % kVec != 0) return false;
   for (const void* ptr : ptrs)
     if (!aligned16(ptr)) return false;
   for (const RowLayout& r : rows)
@@ -97,7 +93,7 @@ inline const char* run_act_and_mul(const ActAndMulParams& p, gpuStream_t stream)
   if (p.rows == 0 || p.cols == 0) return nullptr;
   return with_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
-    const bool wide = act_and_mul_wide<T>({p.out, p.input}, {p.out_rows, p.input_rows}, p.cols);
+    const bool wide = act_and_mul_wide<T>({p.out, p.gate, p.up}, {p.out_rows, p.gate_rows, p.up_rows});
     return with_activation(p.act, [&](auto act_c) {
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
@@ -113,8 +109,8 @@ inline const char* run_act_and_mul_backward(const ActAndMulBackwardParams& p, gp
   if (p.rows == 0 || p.cols == 0) return nullptr;
   return with_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
-    const bool wide = act_and_mul_wide<T>({p.grad_input, p.grad_out, p.input},
-                                          {p.grad_input_rows, p.grad_out_rows, p.input_rows}, p.cols);
+    const bool wide = act_and_mul_wide<T>({p.grad_gate, p.grad_up, p.grad_out, p.gate, p.up},
+                                          {p.grad_gate_rows, p.grad_up_rows, p.grad_out_rows, p.gate_rows, p.up_rows});
     return with_activation(p.act, [&](auto act_c) {
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;

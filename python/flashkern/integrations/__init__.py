@@ -1,0 +1,1 @@
+"""Integrations of flashkern with other libraries: transformers (apply_flashkern), CuPy (flashkern.cupy)."""

@@ -1,0 +1,109 @@
+"""One call to run a loaded Hugging Face model's RMSNorm, gated MLP activation and rotary embedding
+on flashkern's kernels:
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    replaced = apply_flashkern(model)          # {"rmsnorm": [...], "swiglu": [...], "rope": [...]}
+
+Families: Llama, Mistral, Qwen2, Qwen3 (including its per-head q/k norms) and Gemma, Gemma2 (whose
+norm multiplies by 1 + weight, in float32, then casts: flashkern's gemma_rmsnorm does the same).
+RMSNorm and MLP modules are patched one by one, in this model only. The rotary embedding is the
+module-level apply_rotary_pos_emb of the family's modeling file, so that patch applies to every
+model of the family in the process (as the attention layers look it up there).
+Training works: every replacement is differentiable.
+"""
+
+import importlib
+import types
+
+import torch
+
+import flashkern
+
+FAMILIES = {
+    # model_type: (modeling module, RMSNorm class, MLP class, norm weight offset)
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", "LlamaMLP", 0.0),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm", "MistralMLP", 0.0),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm", "Qwen2MLP", 0.0),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm", "Qwen3MLP", 0.0),
+    "gemma": ("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm", "GemmaMLP", 1.0),
+    "gemma2": ("transformers.models.gemma2.modeling_gemma2", "Gemma2RMSNorm", "Gemma2MLP", 1.0),
+}
+
+# transformers' activation modules (ACT2FN) -> flashkern's activation names
+ACTIVATIONS = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+}
+
+
+def _rmsnorm_forward(offset):
+    def forward(self, hidden_states):
+        eps = getattr(self, "variance_epsilon", None)
+        eps = getattr(self, "eps", 1e-6) if eps is None else eps
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # any rank: rows of the last dimension
+        y = flashkern.gemma_rmsnorm(x, self.weight, eps) if offset else flashkern.rmsnorm(x, self.weight, eps)
+        return y.view(shape)
+
+    return forward
+
+
+def _mlp_forward(activation):
+    def forward(self, x):
+        return self.down_proj(flashkern.act_mul(self.gate_proj(x), self.up_proj(x), activation))
+
+    return forward
+
+
+def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **_):
+    """transformers' apply_rotary_pos_emb on flashkern's kernel: q [B, H, T, D], k [B, Hk, T, D],
+    cos/sin [B, T, D] (both halves equal, attention scaling included) -> rotated (q, k)."""
+    if unsqueeze_dim != 1 or q.dim() != 4:
+        raise ValueError(f"apply_flashkern's rotary embedding expects q as [batch, heads, tokens, head_dim], got {tuple(q.shape)}")
+    batch, heads, tokens, head_dim = q.shape
+    half = cos.shape[-1] // 2
+    cos_sin = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).float().expand(batch, tokens, 2 * half)
+    cache = cos_sin.reshape(batch * tokens, 2 * half)
+    positions = torch.arange(batch * tokens, device=q.device)
+    q3 = q.transpose(1, 2).reshape(batch * tokens, heads, head_dim)
+    k3 = k.transpose(1, 2).reshape(batch * tokens, k.shape[1], head_dim)
+    q_out, k_out = flashkern.rope.rope_with_table(q3, k3, positions, cache)
+    return (q_out.view(batch, tokens, heads, head_dim).transpose(1, 2),
+            k_out.view(batch, tokens, k.shape[1], head_dim).transpose(1, 2))
+
+
+def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True):
+    """Replace, in `model`, the RMSNorm modules, the gated MLPs' activation-and-multiply and the rotary
+    application with flashkern ops. Returns what was replaced:
+    {"rmsnorm": [module names], "swiglu": [module names], "rope": ["module.function"]}.
+    Raises ValueError for a model family it does not know."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"apply_flashkern: model type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    module_name, norm_cls, mlp_cls, offset = FAMILIES[model_type]
+    modeling = importlib.import_module(module_name)
+    norm_type, mlp_type = getattr(modeling, norm_cls), getattr(modeling, mlp_cls)
+    replaced = {"rmsnorm": [], "swiglu": [], "rope": []}
+    for name, module in model.named_modules():
+        if rmsnorm and isinstance(module, norm_type):
+            module.forward = types.MethodType(_rmsnorm_forward(offset), module)
+            replaced["rmsnorm"].append(name)
+        elif swiglu and isinstance(module, mlp_type):
+            activation = ACTIVATIONS.get(type(module.act_fn).__name__)
+            if activation is None:
+                raise ValueError(
+                    f"apply_flashkern: {name} uses activation {type(module.act_fn).__name__}, which flashkern has no "
+                    f"kernel for (it has {', '.join(sorted(set(ACTIVATIONS.values())))}); pass swiglu=False"
+                )
+            module.forward = types.MethodType(_mlp_forward(activation), module)
+            replaced["swiglu"].append(name)
+    if rope:
+        modeling.apply_rotary_pos_emb = _apply_rotary_pos_emb
+        replaced["rope"].append(f"{module_name}.apply_rotary_pos_emb")
+    return replaced

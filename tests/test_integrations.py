@@ -1,0 +1,117 @@
+"""apply_flashkern on tiny random-weight Hugging Face models (built from configs, nothing
+downloaded): logits and gradients before and after patching, for every supported family and every
+rope_type, on every device."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flashkern.tolerances import MODEL_TOLERANCE
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
+from flashkern.integrations.transformers import FAMILIES, apply_flashkern  # noqa: E402
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+ROPE_PARAMETERS = {
+    "default": {},
+    "linear": {"factor": 2.0},
+    "dynamic": {"factor": 2.0},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 32},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "longrope": {"factor": 4.0, "original_max_position_embeddings": 32,
+                 "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [1.5 + i / 4 for i in range(8)]},
+}
+
+
+def make_model(model_type, rope_type="default", theta=10000.0):
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    extra = {"head_dim": 16} if model_type in ("gemma", "gemma2", "qwen3") else {}
+    config = config_cls(**SMALL, **extra,
+                        rope_parameters={"rope_type": rope_type, "rope_theta": theta, **ROPE_PARAMETERS[rope_type]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture
+def restore_rope():
+    """apply_flashkern patches the family's module-level apply_rotary_pos_emb: put the originals back."""
+    saved = {}
+    for module_name, *_ in FAMILIES.values():
+        module = importlib.import_module(module_name)
+        saved[module] = module.apply_rotary_pos_emb
+    yield
+    for module, fn in saved.items():
+        module.apply_rotary_pos_emb = fn
+
+
+def run(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+class OpLog(TorchDispatchMode):
+    """The flashkern ops a forward pass dispatches, with their scalar arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "flashkern":
+            self.calls.append((func.__name__.split(".")[0], [a for a in args if not isinstance(a, torch.Tensor)]))
+        return func(*args, **(kwargs or {}))
+
+
+def compare(model_type, rope_type, device, tokens=24):
+    model = make_model(model_type, rope_type).to(device)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    expected_logits, expected_grads = run(copy.deepcopy(model), ids)
+    replaced = apply_flashkern(model)
+    with OpLog() as log:
+        model(input_ids=ids)
+    names = {name for name, _ in log.calls}
+    assert {"rmsnorm", "act_mul", "rope"} <= names, names  # the patches are what runs
+    offset = FAMILIES[model_type][3]
+    assert all(args[-1] == offset for name, args in log.calls if name == "rmsnorm")
+    logits, grads = run(model, ids)
+    torch.testing.assert_close(logits, expected_logits, **MODEL_TOLERANCE)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], **MODEL_TOLERANCE, msg=name)
+    return replaced
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_logits_and_gradients(device, model_type, restore_rope):
+    replaced = compare(model_type, "default", device)
+    norms_per_layer = 4 if model_type == "qwen3" else (4 if model_type == "gemma2" else 2)  # + q/k norms, + post norms
+    assert len(replaced["rmsnorm"]) == 2 * norms_per_layer + 1
+    assert len(replaced["swiglu"]) == 2 and len(replaced["rope"]) == 1
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_PARAMETERS))
+def test_every_rope_type_beyond_the_original_context(device, rope_type, restore_rope):
+    compare("llama", rope_type, device, tokens=48)  # past original_max_position_embeddings = 32
+
+
+def test_unknown_family_is_refused():
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=r"model type 'gpt2' is not supported; supported: gemma, gemma2, llama"):
+        apply_flashkern(model)
+    with pytest.raises(ValueError, match=r"model type None is not supported"):
+        apply_flashkern(torch.nn.Linear(2, 2))
+
+
+def test_only_what_is_asked(restore_rope):
+    model = make_model("llama")
+    replaced = apply_flashkern(model, rmsnorm=False, rope=False)
+    assert replaced["rmsnorm"] == [] and replaced["rope"] == [] and len(replaced["swiglu"]) == 2
