@@ -51,7 +51,13 @@ def _model(x, residual, w_norm, w_up):
     pos = torch.arange(h.shape[0], device=h.device)
     q_rot, _ = flashkern.apply_rope_pos_ids(q, q, pos, rotary_dim=16)
     flashkern.apply_llama31_rope_pos_ids_inplace(q, q.clone(), pos)
-    return flashkern.silu_and_mul(h) + flashkern.gelu_tanh_and_mul(h) + q_rot.view(h.shape)[:, :48] + q.view(h.shape)[:, 48:]
+    indptr = torch.tensor([0, 3, h.shape[0]], device=h.device)
+    q_ragged, _ = flashkern.apply_rope(q, q, indptr, torch.tensor([5, 0], device=h.device), interleave=True)
+    cache = flashkern.cos_sin_cache(flashkern.rope_scaling.theta_inv_freq(32, 1e4, device=h.device), 64)
+    q_cached, _ = flashkern.apply_rope_with_cos_sin_cache(pos, q.view(h.shape), q.view(h.shape), 32, cache)
+    gated = flashkern.act_mul(h[:, :48], h[:, 48:], "gelu")
+    return (flashkern.silu_and_mul(h) + flashkern.gelu_tanh_and_mul(h) + q_rot.view(h.shape)[:, :48]
+            + q.view(h.shape)[:, 48:] + q_ragged.view(h.shape)[:, :48] + q_cached[:, 48:] + gated)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
