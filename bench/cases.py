@@ -404,6 +404,46 @@ ROPE = [
 ]
 
 
+# ---------------------------------------------------------------- merge_states (split-KV, cascade)
+
+
+def merge_shapes():
+    """[(label, tokens, (num_states, heads, head_dim))]."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 4, (2, 2, 64))]
+    tokens = [1, 64, 256, 4096] if BENCH_SET == "full" else [64, 4096]
+    return [(f"states={n} t={t}", t, (n, 32, 128)) for n in (2, 8) for t in tokens]
+
+
+def merge_bytes(tokens, shape, dtype):
+    n, heads, head_dim = shape
+    s = torch.finfo(dtype).bits // 8
+    return (n + 1) * tokens * heads * (head_dim * s + 4)
+
+
+def merge_inputs(tokens, shape, dtype):
+    n, heads, head_dim = shape
+    return lambda seed: (rand((tokens, n, heads, head_dim), dtype, seed), rand((tokens, n, heads), torch.float32, 10**5 + seed))
+
+
+_compiled_merge = None
+
+
+def _compile_merge(v, s):
+    global _compiled_merge
+    _compiled_merge = _compiled_merge or _compiled(_flashkern().ref.merge_states)
+    return lambda: _compiled_merge(v, s)
+
+
+MERGE_STATES = [
+    Provider("flashkern", lambda v, s: (lambda: _flashkern().merge_states(v, s)), requires="flashkern"),
+    Provider("torch", lambda v, s: (lambda: _flashkern().ref.merge_states(v, s)), requires="flashkern"),
+    Provider("torch.compile", _compile_merge, requires="flashkern"),
+    # FlashInfer's log-sum-exp is base 2: the same bytes and work, another convention
+    Provider("flashinfer", lambda v, s: (lambda: __import__("flashinfer").merge_states(v, s)), "flashinfer", True),
+]
+
+
 def _flashkern():
     import flashkern
 

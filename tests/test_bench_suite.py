@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "gelu_and_mul",
-       "gelu_tanh_and_mul", "silu_and_mul_backward", "rope"}
+       "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states"}
 
 
 @pytest.fixture(scope="module")

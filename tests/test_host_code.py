@@ -169,3 +169,25 @@ def test_activation_math(lib, act):
     xt = torch.from_numpy(x).double()
     torch.testing.assert_close(torch.from_numpy(f).double(), ref_act.activation(act, xt), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.from_numpy(df).double(), ref_act.activation_derivative(act, xt), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_weights(lib):
+    """The two-state merge the kernels use, against float64 logaddexp; -inf (empty) and NaN exactly."""
+    rng = np.random.default_rng(1)
+    s_a = np.concatenate([rng.normal(0, 30, 10000), [-np.inf, -np.inf, 5.0, np.nan, 1e30, -80.0]]).astype(np.float32)
+    s_b = np.concatenate([rng.normal(0, 30, 10000), [-np.inf, 3.0, -np.inf, 1.0, 1e30, 80.0]]).astype(np.float32)
+    out = np.empty((s_a.size, 3), dtype=np.float32)
+    lib.fk_merge_weights(ptr(s_a), ptr(s_b), ptr(out), ctypes.c_int64(s_a.size))
+    a, b, s = out[:, 0].astype(np.float64), out[:, 1].astype(np.float64), out[:, 2].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        exact = np.logaddexp(s_a.astype(np.float64), s_b.astype(np.float64))
+    finite = np.isfinite(exact)
+    np.testing.assert_allclose(s[finite], exact[finite], rtol=1e-6, atol=1e-5)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, NaN rows: not compared
+        weight_a = 1.0 / (1.0 + np.exp(s_b.astype(np.float64) - s_a.astype(np.float64)))  # no cancellation at 1e30
+    np.testing.assert_allclose(a[finite], weight_a[finite], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose((a + b)[finite], 1.0, rtol=1e-6)
+    n = s_a.size - 6
+    assert list(out[n]) == [0.0, 0.0, -np.inf]  # both empty: zero weights, still empty
+    assert list(out[n + 1]) == [0.0, 1.0, 3.0] and list(out[n + 2]) == [1.0, 0.0, 5.0]  # one empty: exact
+    assert np.isnan(out[n + 3]).all()  # NaN stays NaN

@@ -115,3 +115,24 @@ def test_only_what_is_asked(restore_rope):
     model = make_model("llama")
     replaced = apply_flashkern(model, rmsnorm=False, rope=False)
     assert replaced["rmsnorm"] == [] and replaced["rope"] == [] and len(replaced["swiglu"]) == 2
+
+
+def test_a_refusal_leaves_the_model_untouched(restore_rope):
+    config = transformers.Qwen3Config(**SMALL, head_dim=16, hidden_act="relu")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"uses activation ReLU.*, which flashkern has no kernel for"):
+        apply_flashkern(model)
+    assert not any("forward" in m.__dict__ for m in model.modules()), "nothing may be patched"
+
+
+def test_dtypes_the_kernels_do_not_take_run_as_before(restore_rope):
+    """A bf16 model under float16 autocast hands norms fp32 activations with bf16 weights: the
+    original forward runs there instead of failing."""
+    model = make_model("llama").to(torch.bfloat16)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    norm = model.model.norm
+    apply_flashkern(model)
+    x = torch.randn(2, 12, SMALL["hidden_size"])
+    torch.testing.assert_close(norm(x), type(norm).forward(norm, x))  # fp32 input, bf16 weight
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model(input_ids=ids).logits.float()).all()

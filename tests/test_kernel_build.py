@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc" if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 HIPCC = shutil.which("hipcc")
-SOURCES = ["rmsnorm", "act_and_mul", "rope"]
+SOURCES = ["rmsnorm", "act_and_mul", "rope", "merge_states"]
 FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel", "act_and_mul_kernel",
-            "act_and_mul_backward_kernel", "rope_kernel"]
+            "act_and_mul_backward_kernel", "rope_kernel", "merge_states_kernel"]
 CMAKE = shutil.which("cmake")
 NINJA = shutil.which("ninja")
 

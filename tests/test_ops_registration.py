@@ -29,6 +29,11 @@ def op_cases(device):
     g, u = rand((5, 24), torch.float32, device, seed=7).requires_grad_(), rand((5, 24), torch.float32, device, seed=8)
     yield ops.act_mul.default, (g, u.requires_grad_(), "gelu_tanh")
     yield ops.act_mul_backward.default, (u.detach(), g.detach(), u.detach(), "silu")
+    v, s = rand((7, 3, 2, 64), torch.bfloat16, device, seed=9), rand((7, 3, 2), torch.float32, device, seed=10)
+    yield ops.merge_states.default, (v, s)
+    yield ops.merge_state.default, (v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+    yield ops.merge_state_in_place.default, (v[:, 0].clone(), s[:, 0].clone(), v[:, 1], s[:, 1], None)
+    yield ops.merge_state_in_place.default, (v[:, 0].clone(), s[:, 0].clone(), v[:, 1], s[:, 1], s[:, 2, 0] > 0)
     q = rand((6, 4, 32), torch.float32, device, seed=5).requires_grad_()
     k = rand((6, 2, 32), torch.float32, device, seed=6).requires_grad_()
     pos = torch.arange(6, device=device) * 3

@@ -32,7 +32,9 @@ def rotate_formula(x, positions, inv_freq, rotary_dim, interleave, inverse=False
 
 
 @pytest.mark.parametrize("tokens", [1, 37])
-@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (128, 64), (256, 256), (80, 80), (128, 96)])
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim", [(64, 64), (128, 128), (128, 64), (256, 256), (80, 80), (128, 96), (72, 68), (10, 6)]
+)  # (72, 68), (10, 6): not multiples of the vector width, the scalar path on a GPU
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_rope_pos_ids(device, tokens, head_dim, rotary_dim, interleave, dtype):
@@ -123,6 +125,22 @@ def test_rope_strided_heads(device, interleave):
     flashkern.apply_rope_pos_ids_inplace(q, k, pos, interleave=interleave)
     assert torch.equal(q, q_out) and torch.equal(k, k_out)
     assert torch.equal(qkv[:, 10 * 64 :], untouched), "v must not be touched"
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rope_misaligned_views(device, interleave, dtype):
+    """q and k starting one element into a buffer: not 16-byte aligned, the scalar path on a GPU."""
+    flat = rand((1 + 37 * 12 * 64,), dtype, device, seed=15)
+    qkv = flat[1:].view(37, 12 * 64)
+    q, k = qkv[:, : 8 * 64].view(37, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(37, 2, 64)
+    pos = torch.arange(37, device=device) * 11
+    inv_freq = theta_inv_freq(64, 1e4)
+    q_out, k_out = flashkern.apply_rope_pos_ids(q, k, pos, interleave=interleave)
+    assert_close(q_out, rotate_formula(q, pos, inv_freq, 64, interleave), dtype)
+    assert_close(k_out, rotate_formula(k, pos, inv_freq, 64, interleave), dtype)
+    flashkern.apply_rope_pos_ids_inplace(q, k, pos, interleave=interleave)
+    assert torch.equal(q, q_out) and torch.equal(k, k_out)
 
 
 @pytest.mark.parametrize("interleave", [False, True])

@@ -380,7 +380,7 @@ int64_t check_rope(const char* op, const Tensor& q, const Tensor& k, const Tenso
 // Positions outside a cos_sin_cache cannot be checked without a host sync: the kernel writes NaN
 // for such a token's rotated dimensions instead of reading past the cache.
 void rope_launch(const Tensor& q_out, const Tensor& k_out, const Tensor& q, const Tensor& k, const Tensor& positions,
-                 const Tensor& freqs, int64_t rotary_dim, bool interleave, bool inverse) {
+                 const Tensor& freqs, int64_t rotary_dim, bool interleave, bool inverse, bool in_place) {
   const c10::DeviceGuard guard(q.device());
   const Tensor pos = positions.contiguous();
   fk::RopeParams p{};
@@ -407,6 +407,7 @@ void rope_launch(const Tensor& q_out, const Tensor& k_out, const Tensor& q, cons
   p.positions_int64 = pos.scalar_type() == at::kLong;
   p.interleave = interleave;
   p.inverse = inverse;
+  p.in_place = in_place;
   p.dtype = to_dtype(q.scalar_type());
   check_launch(fk::launch_rope(p, current_stream(q)), "rope");
 }
@@ -415,7 +416,7 @@ std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& 
                                 bool interleave, bool inverse) {
   const int64_t rotary_dim = check_rope("rope", q, k, positions, freqs);
   Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
-  rope_launch(q_out, k_out, q, k, positions, freqs, rotary_dim, interleave, inverse);
+  rope_launch(q_out, k_out, q, k, positions, freqs, rotary_dim, interleave, inverse, /*in_place=*/false);
   return {q_out, k_out};
 }
 
@@ -424,7 +425,95 @@ void rope_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& freqs, b
   at::assert_no_internal_overlap(q);
   at::assert_no_internal_overlap(k);
   at::assert_no_overlap(q, k);
-  rope_launch(q, k, q, k, positions, freqs, rotary_dim, interleave, /*inverse=*/false);
+  rope_launch(q, k, q, k, positions, freqs, rotary_dim, interleave, /*inverse=*/false, /*in_place=*/true);
+}
+
+// ---- attention states ----
+
+void check_state(const char* op, const char* v_name, const Tensor& v, const char* s_name, const Tensor& s,
+                 int64_t rank) {
+  TORCH_CHECK_VALUE(v.dim() == rank, op, ": ", v_name, " must be ", rank, "-D ",
+                    rank == 4 ? "[tokens, num_states, heads, head_dim]" : "[tokens, heads, head_dim]", ", got shape ",
+                    v.sizes());
+  check_float(op, v_name, v);
+  check_last_dim_contiguous(op, v_name, v);
+  TORCH_CHECK_VALUE(v.size(-1) > 0, op, ": head_dim (last dimension of ", v_name, ") must be positive");
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": ", s_name, " (the log-sum-exp) must be float32, got ",
+                   s.scalar_type());
+  TORCH_CHECK_VALUE(s.device() == v.device(), op, ": ", s_name, " is on ", s.device(), " but ", v_name, " is on ",
+                    v.device());
+  TORCH_CHECK_VALUE(s.sizes() == v.sizes().slice(0, rank - 1), op, ": ", s_name, " must have shape ",
+                    v.sizes().slice(0, rank - 1), " (", v_name, "'s without head_dim), got ", s.sizes());
+}
+
+// The stacked states v [tokens, n, heads, head_dim] (or one state [tokens, heads, head_dim] as n = 1),
+// plus an optional extra state, merged into v_out / s_out.
+void launch_merge(const char* op, const Tensor& v_out, const Tensor& s_out, const Tensor& v, const Tensor& s,
+                  const Tensor* v_other, const Tensor* s_other, const std::optional<Tensor>& mask) {
+  const c10::DeviceGuard guard(v.device());
+  const Tensor v4 = v.dim() == 4 ? v : v.unsqueeze(1), s3 = s.dim() == 3 ? s : s.unsqueeze(1);
+  fk::MergeStatesParams p{};
+  p.v_out = v_out.data_ptr();
+  p.s_out = s_out.data_ptr<float>();
+  p.v = v4.const_data_ptr();
+  p.s = s3.const_data_ptr<float>();
+  p.v_other = v_other ? v_other->const_data_ptr() : nullptr;
+  p.s_other = s_other ? s_other->const_data_ptr<float>() : nullptr;
+  const Tensor mask_c = mask ? mask->contiguous() : Tensor();
+  p.mask = mask ? mask_c.const_data_ptr<bool>() : nullptr;
+  for (int i = 0; i < 3; ++i) {
+    p.v_strides[i] = v4.stride(i);
+    p.s_strides[i] = s3.stride(i);
+  }
+  for (int i = 0; i < 2; ++i) {
+    p.v_out_strides[i] = v_out.stride(i);
+    p.s_out_strides[i] = s_out.stride(i);
+    p.v_other_strides[i] = v_other ? v_other->stride(i) : 0;
+    p.s_other_strides[i] = s_other ? s_other->stride(i) : 0;
+  }
+  p.tokens = v4.size(0);
+  p.num_states = int(v4.size(1));
+  p.heads = int(v4.size(2));
+  p.head_dim = int(v4.size(3));
+  p.dtype = to_dtype(v.scalar_type());
+  check_launch(fk::launch_merge_states(p, current_stream(v)), op);
+}
+
+std::tuple<Tensor, Tensor> merge_state(const Tensor& v_a, const Tensor& s_a, const Tensor& v_b, const Tensor& s_b) {
+  const char* op = "merge_state";
+  check_state(op, "v_a", v_a, "s_a", s_a, 3);
+  check_same(op, "v_b", v_b, "v_a", v_a);
+  check_state(op, "v_b", v_b, "s_b", s_b, 3);
+  Tensor v = at::empty(v_a.sizes(), v_a.options()), s = at::empty(s_a.sizes(), s_a.options());
+  launch_merge(op, v, s, v_a, s_a, &v_b, &s_b, std::nullopt);
+  return {v, s};
+}
+
+void merge_state_in_place(Tensor& v, Tensor& s, const Tensor& v_other, const Tensor& s_other,
+                          const std::optional<Tensor>& mask) {
+  const char* op = "merge_state_in_place";
+  check_state(op, "v", v, "s", s, 3);
+  check_same(op, "v_other", v_other, "v", v);
+  check_state(op, "v_other", v_other, "s_other", s_other, 3);
+  if (mask) {
+    TORCH_CHECK_VALUE(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == v.size(0) &&
+                          mask->device() == v.device(),
+                      op, ": mask must be a bool tensor of shape (", v.size(0), ",) on ", v.device(), ", got ",
+                      mask->scalar_type(), " of shape ", mask->sizes(), " on ", mask->device());
+  }
+  at::assert_no_internal_overlap(v);
+  at::assert_no_internal_overlap(s);
+  launch_merge(op, v, s, v, s, &v_other, &s_other, mask);
+}
+
+std::tuple<Tensor, Tensor> merge_states(const Tensor& v, const Tensor& s) {
+  const char* op = "merge_states";
+  check_state(op, "v", v, "s", s, 4);
+  Tensor v_out = at::empty({v.size(0), v.size(2), v.size(3)}, v.options());
+  Tensor s_out = at::empty({s.size(0), s.size(2)}, s.options());
+  if (v.size(1) == 0) return {v_out.zero_(), s_out.fill_(-INFINITY)};  // no states: the empty state
+  launch_merge(op, v_out, s_out, v, s, nullptr, nullptr, std::nullopt);
+  return {v_out, s_out};
 }
 
 }  // namespace
@@ -441,4 +530,7 @@ TORCH_LIBRARY_IMPL(flashkern, CUDA, m) {
   m.impl("act_mul_backward", &act_mul_backward);
   m.impl("rope", &rope);
   m.impl("rope_", &rope_);
+  m.impl("merge_state", &merge_state);
+  m.impl("merge_state_in_place", &merge_state_in_place);
+  m.impl("merge_states", &merge_states);
 }

@@ -35,6 +35,10 @@ TORCH_LIBRARY(flashkern, m) {
       "rope(Tensor q, Tensor k, Tensor positions, Tensor freqs, bool interleave, bool inverse) "
       "-> (Tensor q_out, Tensor k_out)");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor freqs, bool interleave) -> ()");
+  // attention states (v [tokens, heads, head_dim], s = natural-log sum-exp [tokens, heads] float32)
+  m.def("merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b) -> (Tensor v, Tensor s)");
+  m.def("merge_state_in_place(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, Tensor? mask) -> ()");
+  m.def("merge_states(Tensor v, Tensor s) -> (Tensor v_merged, Tensor s_merged)");
 }
 
 // What this binary was built with, for flashkern.info().

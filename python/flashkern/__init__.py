@@ -9,6 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers the op schemas: torch.ops.flashkern.*)
 from . import ref
 from ._backend import get_backend, set_backend
+from .attention import merge_state, merge_state_in_place, merge_states
 from .activation import act_mul, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
@@ -48,6 +49,9 @@ __all__ = [
     "gelu_tanh_and_mul",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
     "get_backend",
     "info",
     "ref",

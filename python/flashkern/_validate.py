@@ -160,3 +160,23 @@ def check_act_mul(op, gate, up, reference):
     check_same(op, "up", up, "gate", gate)
     check_last_dim_contiguous(op, "gate", gate)
     check_last_dim_contiguous(op, "up", up)
+
+
+def check_state(op, v_name, v, s_name, s, reference, stacked=False):
+    """An attention state: v [tokens, (num_states,) heads, head_dim], s [tokens, (num_states,) heads] float32."""
+    check_tensor(op, v_name, v)
+    check_tensor(op, s_name, s)
+    rank = 4 if stacked else 3
+    layout = "[tokens, num_states, heads, head_dim]" if stacked else "[tokens, heads, head_dim]"
+    if v.dim() != rank:
+        raise ValueError(f"{op}: {v_name} must be {rank}-D {layout}, got shape {tuple(v.shape)}")
+    check_float(op, v_name, v, reference)
+    check_last_dim_contiguous(op, v_name, v)
+    if v.shape[-1] == 0:
+        raise ValueError(f"{op}: head_dim (last dimension of {v_name}) must be positive")
+    if s.dtype != (torch.float64 if v.dtype == torch.float64 else torch.float32):
+        raise TypeError(f"{op}: {s_name} (the log-sum-exp) must be float32, got {s.dtype}")
+    if s.device != v.device:
+        raise ValueError(f"{op}: {s_name} is on {s.device} but {v_name} is on {v.device}")
+    if tuple(s.shape) != tuple(v.shape[:-1]):
+        raise ValueError(f"{op}: {s_name} must have shape {tuple(v.shape[:-1])} ({v_name}'s without head_dim), got {tuple(s.shape)}")

@@ -126,6 +126,7 @@ def _act_mul_fake(gate, up, activation):
 @torch.library.register_fake("flashkern::act_mul_backward")
 def _act_mul_backward_fake(grad_out, gate, up, activation):
     check_act_mul("act_mul_backward", gate, up, reference=gate.device.type == "cpu")
+    check_same("act_mul_backward", "grad_out", grad_out, "gate", gate)
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 

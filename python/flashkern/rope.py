@@ -40,6 +40,10 @@ def _positions(op, q, indptr, offsets):
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
     if indptr.shape[0] != offsets.shape[0] + 1:
         raise ValueError(f"{op}: indptr must have batch + 1 = {offsets.shape[0] + 1} entries, got {indptr.shape[0]}")
+    if offsets.shape[0] == 0 and q.shape[0] > 0:
+        raise ValueError(f"{op}: {q.shape[0]} tokens but no request (offsets is empty)")
+    # The contract, not checked on a GPU (it would need a host sync): indptr[0] == 0, indptr is
+    # non-decreasing and indptr[-1] == tokens.
     token = torch.arange(q.shape[0], device=q.device, dtype=indptr.dtype)
     batch = torch.searchsorted(indptr[1:].contiguous(), token, right=True).clamp_(max=max(offsets.shape[0] - 1, 0))
     return offsets.to(torch.int64)[batch] + (token - indptr[batch]).to(torch.int64)

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "flashkern/activations.h"
+#include "flashkern/attention_state.h"
 #include "flashkern/numeric.h"
 #include "flashkern/ops.h"
 #include "flashkern/rows.h"
@@ -67,6 +68,14 @@ void fk_activation(int activation, const float* x, float* f, float* df, int64_t 
         f[i] = fk::Act<fk::Activation::gelu_tanh>::f(x[i]);
         df[i] = fk::Act<fk::Activation::gelu_tanh>::df(x[i]);
     }
+  }
+}
+
+// out: (a, b, s) per pair of log-sum-exps
+void fk_merge_weights(const float* s_a, const float* s_b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const fk::MergeWeights w = fk::merge_weights(s_a[i], s_b[i]);
+    out[3 * i] = w.a, out[3 * i + 1] = w.b, out[3 * i + 2] = w.s;
   }
 }
 

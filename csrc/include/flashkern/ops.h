@@ -93,6 +93,26 @@ struct RopeParams {
   int64_t tokens, cache_rows;
   int q_heads, k_heads, head_dim, rotary_dim;
   bool positions_int64, interleave, inverse;
+  bool in_place;  // q_out == q and k_out == k: the dimensions past rotary_dim are left alone
+  DType dtype;
+};
+
+// Merge attention states (attention_state.h) per (token, head): the `num_states` states of a
+// stacked v [tokens, num_states, heads, head_dim] / s [tokens, num_states, heads], then, if given,
+// one more state from v_other / s_other ([tokens, heads, head_dim] / [tokens, heads]).
+// Tokens whose mask entry is false keep state 0 unchanged (merge_state_in_place's mask).
+struct MergeStatesParams {
+  void* v_out;                // [tokens, heads, head_dim] dtype
+  float* s_out;               // [tokens, heads]
+  const void* v;              // [tokens, num_states, heads, head_dim] dtype
+  const float* s;             // [tokens, num_states, heads]
+  const void* v_other;        // [tokens, heads, head_dim] dtype, or nullptr
+  const float* s_other;       // [tokens, heads], or nullptr
+  const bool* mask;           // [tokens], or nullptr
+  int64_t v_strides[3], s_strides[3];  // token, state, head (elements; v's head_dim is contiguous)
+  int64_t v_other_strides[2], s_other_strides[2], v_out_strides[2], s_out_strides[2];  // token, head
+  int64_t tokens;
+  int num_states, heads, head_dim;
   DType dtype;
 };
 
@@ -102,5 +122,6 @@ const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream
 const char* launch_act_and_mul(const ActAndMulParams& p, void* stream);
 const char* launch_act_and_mul_backward(const ActAndMulBackwardParams& p, void* stream);
 const char* launch_rope(const RopeParams& p, void* stream);
+const char* launch_merge_states(const MergeStatesParams& p, void* stream);
 
 }  // namespace fk

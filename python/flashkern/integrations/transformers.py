@@ -18,6 +18,7 @@ import types
 import torch
 
 import flashkern
+from flashkern._validate import KERNEL_DTYPES
 
 FAMILIES = {
     # model_type: (modeling module, RMSNorm class, MLP class, norm weight offset)
@@ -40,8 +41,11 @@ ACTIVATIONS = {
 }
 
 
-def _rmsnorm_forward(offset):
+def _rmsnorm_forward(offset, original):
     def forward(self, hidden_states):
+        # dtypes the kernels do not take (e.g. a bf16 weight on fp32 activations under autocast): as before
+        if hidden_states.dtype not in KERNEL_DTYPES or self.weight.dtype not in (hidden_states.dtype, torch.float32):
+            return original(hidden_states)
         eps = getattr(self, "variance_epsilon", None)
         eps = getattr(self, "eps", 1e-6) if eps is None else eps
         shape = hidden_states.shape
@@ -66,7 +70,7 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **_):
         raise ValueError(f"apply_flashkern's rotary embedding expects q as [batch, heads, tokens, head_dim], got {tuple(q.shape)}")
     batch, heads, tokens, head_dim = q.shape
     half = cos.shape[-1] // 2
-    cos_sin = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).float().expand(batch, tokens, 2 * half)
+    cos_sin = torch.cat([cos[..., :half].float(), sin[..., :half].float()], dim=-1).expand(batch, tokens, 2 * half)
     cache = cos_sin.reshape(batch * tokens, 2 * half)
     positions = torch.arange(batch * tokens, device=q.device)
     q3 = q.transpose(1, 2).reshape(batch * tokens, heads, head_dim)
@@ -89,11 +93,11 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True):
     module_name, norm_cls, mlp_cls, offset = FAMILIES[model_type]
     modeling = importlib.import_module(module_name)
     norm_type, mlp_type = getattr(modeling, norm_cls), getattr(modeling, mlp_cls)
-    replaced = {"rmsnorm": [], "swiglu": [], "rope": []}
+    # Decide everything first, then patch: a refusal leaves the model untouched.
+    patches = []
     for name, module in model.named_modules():
         if rmsnorm and isinstance(module, norm_type):
-            module.forward = types.MethodType(_rmsnorm_forward(offset), module)
-            replaced["rmsnorm"].append(name)
+            patches.append(("rmsnorm", name, module, _rmsnorm_forward(offset, module.forward)))
         elif swiglu and isinstance(module, mlp_type):
             activation = ACTIVATIONS.get(type(module.act_fn).__name__)
             if activation is None:
@@ -101,8 +105,11 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True):
                     f"apply_flashkern: {name} uses activation {type(module.act_fn).__name__}, which flashkern has no "
                     f"kernel for (it has {', '.join(sorted(set(ACTIVATIONS.values())))}); pass swiglu=False"
                 )
-            module.forward = types.MethodType(_mlp_forward(activation), module)
-            replaced["swiglu"].append(name)
+            patches.append(("swiglu", name, module, _mlp_forward(activation)))
+    replaced = {"rmsnorm": [], "swiglu": [], "rope": []}
+    for kind, name, module, forward in patches:
+        module.forward = types.MethodType(forward, module)
+        replaced[kind].append(name)
     if rope:
         modeling.apply_rotary_pos_emb = _apply_rotary_pos_emb
         replaced["rope"].append(f"{module_name}.apply_rotary_pos_emb")

@@ -28,10 +28,19 @@ FK_DEVICE void rope_cos_sin(const RopeParams& p, int64_t position, int i, float&
   if (p.inverse) s = -s;
 }
 
+// Interleaved pairs are never split: a GPT-J item holds at least one whole pair.
+template <int kVec>
+inline constexpr int kPairVec = kVec < 2 ? 2 : kVec;
+
+template <int kVec>
+FK_DEVICE int rope_rotary_items(const RopeParams& p) {
+  return p.interleave ? p.rotary_dim / kPairVec<kVec> : p.rotary_dim / 2 / kVec;
+}
+
 template <typename T, int kVec>
 FK_DEVICE void rope_head(const RopeParams& p, const T* x, T* y, int64_t position, int item) {
   const int half = p.rotary_dim / 2;
-  const int rot_items = p.interleave ? p.rotary_dim / kVec : half / kVec;
+  const int rot_items = rope_rotary_items<kVec>(p);
   if (item >= rot_items) {  // pass-through dimensions (out of place only)
     const int64_t c = p.rotary_dim + int64_t(item - rot_items) * kVec;
     Vec<T, kVec> v;
@@ -40,16 +49,17 @@ FK_DEVICE void rope_head(const RopeParams& p, const T* x, T* y, int64_t position
     return;
   }
   if (p.interleave) {
-    Vec<T, kVec> v, out;
-    v.load(x + item * kVec, kVec);
+    constexpr int kP = kPairVec<kVec>;
+    Vec<T, kP> v, out;
+    v.load(x + item * kP, kP);
 #pragma unroll
-    for (int j = 0; j < kVec; j += 2) {
+    for (int j = 0; j < kP; j += 2) {
       float c, s;
-      rope_cos_sin(p, position, (item * kVec + j) / 2, c, s);
+      rope_cos_sin(p, position, (item * kP + j) / 2, c, s);
       out.set(j, v.f(j) * c - v.f(j + 1) * s);
       out.set(j + 1, v.f(j + 1) * c + v.f(j) * s);
     }
-    out.store(y + item * kVec, kVec);
+    out.store(y + item * kP, kP);
   } else {
     Vec<T, kVec> a, b, out_a, out_b;
     a.load(x + item * kVec, kVec);
@@ -68,10 +78,7 @@ FK_DEVICE void rope_head(const RopeParams& p, const T* x, T* y, int64_t position
 
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kRopeThreads) rope_kernel(RopeParams p) {
-  const int half = p.rotary_dim / 2;
-  const bool in_place = p.q_out == p.q;
-  const int rot_items = p.interleave ? p.rotary_dim / kVec : half / kVec;
-  const int items = rot_items + (in_place ? 0 : (p.head_dim - p.rotary_dim) / kVec);
+  const int items = rope_rotary_items<kVec>(p) + (p.in_place ? 0 : (p.head_dim - p.rotary_dim) / kVec);
   const int token_items = (p.q_heads + p.k_heads) * items;
   for (int64_t t = blockIdx.x; t < p.tokens; t += gridDim.x) {
     const int64_t position = p.positions_int64 ? static_cast<const int64_t*>(p.positions)[t]
@@ -89,7 +96,8 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(RopeParams p) {
   }
 }
 
-// 16-byte vectors need every head start, both halves (NeoX) and the pass-through part aligned.
+// 16-byte vectors need every head start, both halves (NeoX) and the pass-through part aligned
+// (a stride of a dimension of size 1 is never used).
 template <typename T>
 bool rope_wide(const RopeParams& p) {
   constexpr int kVec = kVec16<T>;
@@ -97,8 +105,12 @@ bool rope_wide(const RopeParams& p) {
   if (p.rotary_dim % unit != 0 || (p.head_dim - p.rotary_dim) % kVec != 0) return false;
   for (const void* ptr : {static_cast<const void*>(p.q_out), static_cast<const void*>(p.k_out), p.q, p.k})
     if (!aligned16(ptr)) return false;
-  for (const int64_t* s : {p.q_out_strides, p.k_out_strides, p.q_strides, p.k_strides})
-    if (s[0] % kVec != 0 || s[1] % kVec != 0) return false;
+  const int64_t* q_like[] = {p.q_out_strides, p.q_strides};
+  const int64_t* k_like[] = {p.k_out_strides, p.k_strides};
+  for (const int64_t* s : q_like)
+    if ((p.tokens > 1 && s[0] % kVec != 0) || (p.q_heads > 1 && s[1] % kVec != 0)) return false;
+  for (const int64_t* s : k_like)
+    if ((p.tokens > 1 && s[0] % kVec != 0) || (p.k_heads > 1 && s[1] % kVec != 0)) return false;
   return true;
 }
 
