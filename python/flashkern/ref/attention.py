@@ -22,3 +22,86 @@ def merge_states(v, s):
 def merge_state(v_a, s_a, v_b, s_b):
     """Merge two attention states [tokens, heads, head_dim] / [tokens, heads]."""
     return merge_states(torch.stack([v_a, v_b], dim=1), torch.stack([s_a, s_b], dim=1))
+
+
+def _split_kv(paged_kv_cache, kv_layout):
+    """(k_cache, v_cache), each [pages, page_size, kv_heads, head_dim] ("NHD" view), from the layouts
+    FlashInfer accepts: [pages, 2, page_size, kv_heads, D] (NHD), [pages, 2, kv_heads, page_size, D]
+    (HND), or a (k_cache, v_cache) tuple of 4-D tensors in either layout."""
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if isinstance(paged_kv_cache, (tuple, list)):
+        k_cache, v_cache = paged_kv_cache
+    else:
+        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    if kv_layout == "HND":
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    return k_cache, v_cache
+
+
+def request_kv(k_cache, v_cache, pages, last_page_len):
+    """The keys and values of one request, [length, kv_heads, head_dim], length =
+    page_size * (len(pages) - 1) + last_page_len (0 without pages)."""
+    page_size = k_cache.shape[1]
+    if len(pages) == 0:
+        empty = k_cache.new_empty(0, *k_cache.shape[2:])
+        return empty, v_cache.new_empty(0, *v_cache.shape[2:])
+    length = page_size * (len(pages) - 1) + int(last_page_len)
+    k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:length]
+    v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:length]
+    return k, v
+
+
+def decode_attention(q, k, v, sm_scale=None):
+    """One query token per head over one request's keys: q [qo_heads, D], k and v [length, kv_heads, D]
+    (qo_heads a multiple of kv_heads: grouped-query attention) -> (o [qo_heads, D], lse [qo_heads]),
+    lse the natural-log sum-exp of the scaled logits. No keys: (0, -inf). float64 in, float64 out."""
+    qo_heads, head_dim = q.shape
+    c = compute_dtype(q)
+    sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    if k.shape[0] == 0:
+        return q.new_zeros(qo_heads, head_dim, dtype=c), torch.full((qo_heads,), float("-inf"), dtype=c)
+    group = qo_heads // k.shape[1]
+    k = k.to(c).repeat_interleave(group, dim=1)  # [length, qo_heads, D]
+    v = v.to(c).repeat_interleave(group, dim=1)
+    logits = torch.einsum("hd,lhd->hl", q.to(c), k) * sm_scale
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.einsum("hl,lhd->hd", torch.softmax(logits, dim=-1), v), lse
+
+
+def batch_decode(q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout="NHD", sm_scale=None):
+    """Paged-KV decode for a batch: q [batch, qo_heads, D], the page table in CSR form (kv_indptr
+    [batch + 1], kv_indices, kv_last_page_len [batch]) -> (o [batch, qo_heads, D], lse [batch, qo_heads])."""
+    k_cache, v_cache = _split_kv(paged_kv_cache, kv_layout)
+    indptr, indices, last = kv_indptr.tolist(), kv_indices.tolist(), kv_last_page_len.tolist()
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        k, v = request_kv(k_cache, v_cache, indices[indptr[b] : indptr[b + 1]], last[b])
+        o, lse = decode_attention(q[b], k, v, sm_scale)
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def cascade_decode(q, paged_kv_cache, qo_indptr_arr, kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr,
+                   kv_layout="NHD", sm_scale=None):
+    """Multi-level cascade decode, one query token per request: level i's KV (its own page table)
+    is shared by the queries qo_indptr_arr[i][j]:qo_indptr_arr[i][j+1]; each query's attention is
+    the merge of its states at every level. Level 0 is the most shared prefix."""
+    batch = q.shape[0]
+    v = s = None
+    for qo_indptr, kv_indptr, kv_indices, last in zip(qo_indptr_arr, kv_indptr_arr, kv_indices_arr,
+                                                     kv_last_page_len_arr):
+        qo = qo_indptr.tolist()
+        group_of = torch.repeat_interleave(torch.arange(len(qo) - 1), torch.tensor(qo[1:]) - torch.tensor(qo[:-1]))
+        if group_of.numel() != batch:
+            raise ValueError(f"qo_indptr must cover the {batch} queries, covers {group_of.numel()}")
+        # every query of group g attends to group g's KV at this level
+        starts, ends = kv_indptr[group_of], kv_indptr[group_of + 1]
+        pages = [kv_indices[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+        level_indices = torch.cat(pages) if pages else kv_indices[:0]
+        level_kv_indptr = torch.tensor([0] + torch.cumsum(ends - starts, 0).tolist(), dtype=kv_indptr.dtype)
+        level_v, level_s = batch_decode(q, paged_kv_cache, level_kv_indptr, level_indices, last[group_of],
+                                        kv_layout, sm_scale)
+        v, s = (level_v, level_s) if v is None else merge_state(v, s, level_v, level_s)
+    return v, s
