@@ -2,7 +2,7 @@
 
 import torch
 
-from . import _backend, activation, norm, ref, rope
+from . import _backend, activation, attention, norm, ref, rope
 from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
 
@@ -55,6 +55,22 @@ def _rope_cases(device, dtype, gen):
     )
 
 
+def _merge_cases(device, dtype, gen):
+    v = _rand((37, 5, 8, 128), dtype, device, gen)
+    s = (_rand((37, 5, 8), torch.float32, device, gen) * 4).float()
+    s[3] = float("-inf")  # a token whose states are all empty
+    actual = attention.merge_states(v, s)
+    expected = ref.merge_states(v.double(), s.double())
+    yield "merge_states", tuple(v.shape), torch.cat([a.double().flatten() for a in actual]), torch.cat(
+        [e.flatten() for e in expected]
+    )
+    a = attention.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+    e = ref.merge_state(v[:, 0].double(), s[:, 0].double(), v[:, 1].double(), s[:, 1].double())
+    yield "merge_state", tuple(v[:, 0].shape), torch.cat([x.double().flatten() for x in a]), torch.cat(
+        [x.flatten() for x in e]
+    )
+
+
 def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list:
     """Rows of (op, device, backend, dtype, shape, max abs error, passed), one per case."""
     if devices is None:
@@ -64,11 +80,11 @@ def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -
     for device in devices:
         backend = _backend.backend_for(torch.device(device))
         for dtype in dtypes:
-            for op, shape, actual, expected in [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen)]:
+            for op, shape, actual, expected in [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen), *_merge_cases(device, dtype, gen)]:
                 actual = actual.double().cpu()
                 expected = expected.cpu()
                 tol = tolerance(dtype)
-                err = (actual - expected).abs()
+                err = torch.where(actual == expected, 0.0, (actual - expected).abs())  # equal infinities match
                 passed = bool((err <= tol["atol"] + tol["rtol"] * expected.abs()).all())
                 rows.append(
                     {

@@ -12,7 +12,9 @@ OPS = (
     "silu_and_mul",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
+    "act_mul",
     "apply_rope (all variants)",
+    "merge_state, merge_states",
 )
 
 
