@@ -7,6 +7,8 @@
 //                                              has them (numeric.h falls back to bit-exact software)
 //   fk::store16(p, uint4)                      one 16-byte global store
 //   fk::trap()                                 abort the kernel
+//   FK_LAUNCH(kernel, grid, block, stream)(args...)
+//                                              launch on a stream (emulate.h: on host threads)
 //   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
 //                                              for a device whose wavefront is another width
 #pragma once
@@ -21,9 +23,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#elif defined(FK_EMULATE)
+#define FK_EMU 1
+#include "flashkern/emulate.h"  // host threads stand in for a GPU: tests only
 #endif
 
-#if defined(FK_CUDA) || defined(FK_HIP)
+#if defined(FK_CUDA) || defined(FK_HIP) || defined(FK_EMU)
 #define FK_GPU 1
 #define FK_HOST_DEVICE __host__ __device__ __forceinline__
 #define FK_DEVICE __device__ __forceinline__
@@ -94,6 +99,12 @@ FK_DEVICE float shfl_xor(float v, int lane_mask) {
   return __shfl_xor(v, lane_mask);  // maskless on AMD: all lanes of the wavefront take part
 #endif
 }
+#endif
+
+#if defined(FK_EMU)
+#define FK_LAUNCH(kernel, grid, block, stream) ::fk::emu::launcher(kernel, grid, block)
+#else
+#define FK_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
 #endif
 
 #if defined(FK_GPU)

@@ -98,7 +98,8 @@ inline const char* run_act_and_mul(const ActAndMulParams& p, gpuStream_t stream)
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
         const ActPlan plan = plan_act_and_mul(p.rows, p.cols, kV);
-        act_and_mul_kernel<T, decltype(act_c)::value, kV><<<plan.grid, dim3(kActThreads), 0, stream>>>(p, plan);
+        const auto kernel = act_and_mul_kernel<T, decltype(act_c)::value, kV>;
+        FK_LAUNCH(kernel, plan.grid, dim3(kActThreads), stream)(p, plan);
         return last_launch_error();
       });
     });
@@ -115,8 +116,8 @@ inline const char* run_act_and_mul_backward(const ActAndMulBackwardParams& p, gp
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
         const ActPlan plan = plan_act_and_mul(p.rows, p.cols, kV);
-        act_and_mul_backward_kernel<T, decltype(act_c)::value, kV>
-            <<<plan.grid, dim3(kActThreads), 0, stream>>>(p, plan);
+        const auto kernel = act_and_mul_backward_kernel<T, decltype(act_c)::value, kV>;
+        FK_LAUNCH(kernel, plan.grid, dim3(kActThreads), stream)(p, plan);
         return last_launch_error();
       });
     });

@@ -84,8 +84,8 @@ inline const char* run_merge_states(const MergeStatesParams& p, gpuStream_t stre
       const int64_t row_vecs = ceil_div(p.head_dim, kV);
       const int tpr = int(next_pow2(row_vecs) < kMergeThreads ? next_pow2(row_vecs) : kMergeThreads);
       const int64_t blocks = ceil_div(p.tokens * p.heads, kMergeThreads / tpr);
-      merge_states_kernel<T, kV>
-          <<<dim3(unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks)), dim3(kMergeThreads), 0, stream>>>(p, tpr);
+      const auto kernel = merge_states_kernel<T, kV>;
+      FK_LAUNCH(kernel, dim3(unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks)), dim3(kMergeThreads), stream)(p, tpr);
       return last_launch_error();
     });
   });

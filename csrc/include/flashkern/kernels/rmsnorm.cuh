@@ -288,8 +288,8 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
         return with_bool(residual, [&](auto res_c) {
           constexpr bool kResidual = decltype(res_c)::value;
           const RowPlan plan = plan_rows(p.rows, p.cols, kV, kRmsnormLimits);
-          rmsnorm_kernel<kWarp, T, W, kV, kResidual>
-              <<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
+          const auto kernel = rmsnorm_kernel<kWarp, T, W, kV, kResidual>;
+          FK_LAUNCH(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), stream)(p, plan);
           return last_launch_error();
         });
       });
@@ -340,11 +340,11 @@ const char* run_rmsnorm_backward(const RmsnormBackwardParams& p, gpuStream_t str
   if (p.rows == 0) return nullptr;
   return with_rmsnorm_backward_kernel<kWarp>(p, [&](auto kernel, const RowPlan& plan, int vec, auto wt) {
     using W = decltype(wt);
-    kernel<<<dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream>>>(p, plan);
+    FK_LAUNCH(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), stream)(p, plan);
     if (const char* error = last_launch_error()) return error;
-    rmsnorm_dw_reduce_kernel<W><<<dim3(unsigned(ceil_div(p.cols, kReduceTile))), dim3(kReduceTile, kReduceTile), 0,
-                                  stream>>>(static_cast<W*>(p.grad_weight), p.workspace, plan.blocks,
-                                            ceil_div(p.cols, vec) * vec, p.cols);
+    const auto reduce = rmsnorm_dw_reduce_kernel<W>;
+    FK_LAUNCH(reduce, dim3(unsigned(ceil_div(p.cols, kReduceTile))), dim3(kReduceTile, kReduceTile), stream)(
+        static_cast<W*>(p.grad_weight), p.workspace, plan.blocks, ceil_div(p.cols, vec) * vec, p.cols);
     return last_launch_error();
   });
 }

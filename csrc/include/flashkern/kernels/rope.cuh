@@ -121,7 +121,8 @@ inline const char* run_rope(const RopeParams& p, gpuStream_t stream) {
     return with_bool(rope_wide<T>(p), [&](auto wide_c) {
       constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
       const int64_t blocks = p.tokens < kMaxBlocks ? p.tokens : kMaxBlocks;
-      rope_kernel<T, kV><<<dim3(unsigned(blocks)), dim3(kRopeThreads), 0, stream>>>(p);
+      const auto kernel = rope_kernel<T, kV>;
+      FK_LAUNCH(kernel, dim3(unsigned(blocks)), dim3(kRopeThreads), stream)(p);
       return last_launch_error();
     });
   });

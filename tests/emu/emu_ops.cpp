@@ -1,0 +1,93 @@
+// C entry points over the kernels' launchers (launch_* in csrc/cuda/*.cu) built with -DFK_EMULATE, for
+// tests/test_emulated_kernels.py: every pointer is host memory from torch CPU tensors.
+#include <cstdint>
+#include <cstdlib>
+
+#include "flashkern/ops.h"
+
+using fk::DType;
+using fk::RowLayout;
+
+extern "C" {
+
+const char* emu_rmsnorm(void* out, const void* input, void* residual, const void* weight, int64_t rows, int64_t cols,
+                        const int64_t* out_layout, const int64_t* in_layout, const int64_t* res_layout, int dtype,
+                        int weight_dtype, float eps, float offset) {
+  fk::RmsnormParams p{};
+  p.out = out, p.input = input, p.residual = residual, p.weight = weight;
+  p.out_rows = RowLayout{out_layout[0], out_layout[1], out_layout[2]};
+  p.input_rows = RowLayout{in_layout[0], in_layout[1], in_layout[2]};
+  p.residual_rows = RowLayout{res_layout[0], res_layout[1], res_layout[2]};
+  p.rows = rows, p.cols = cols, p.dtype = DType(dtype), p.weight_dtype = DType(weight_dtype);
+  p.eps = eps, p.weight_offset = offset;
+  return fk::launch_rmsnorm(p, nullptr);
+}
+
+const char* emu_rmsnorm_backward(void* grad_input, void* grad_weight, const void* grad_out, const void* input,
+                                 const void* weight, int64_t rows, int64_t cols, int64_t stride, int dtype,
+                                 int weight_dtype, float eps, float offset) {
+  fk::RmsnormBackwardParams p{};
+  p.grad_input = grad_input, p.grad_weight = grad_weight, p.grad_out = grad_out, p.input = input, p.weight = weight;
+  p.grad_input_rows = p.grad_out_rows = p.input_rows = RowLayout{stride, 0, 1};
+  p.rows = rows, p.cols = cols, p.dtype = DType(dtype), p.weight_dtype = DType(weight_dtype);
+  p.eps = eps, p.weight_offset = offset;
+  const size_t bytes = fk::rmsnorm_backward_workspace_bytes(p);
+  p.workspace = static_cast<float*>(std::aligned_alloc(16, (bytes + 15) / 16 * 16 + 16));
+  const char* error = fk::launch_rmsnorm_backward(p, nullptr);
+  std::free(p.workspace);
+  return error;
+}
+
+const char* emu_act_mul(void* out, const void* gate, const void* up, int64_t rows, int64_t cols,
+                        const int64_t* strides /* out, gate, up */, int dtype, int activation) {
+  fk::ActAndMulParams p{};
+  p.out = out, p.gate = gate, p.up = up;
+  p.out_rows = RowLayout{strides[0], 0, 1}, p.gate_rows = RowLayout{strides[1], 0, 1};
+  p.up_rows = RowLayout{strides[2], 0, 1};
+  p.rows = rows, p.cols = cols, p.dtype = DType(dtype), p.act = fk::Activation(activation);
+  return fk::launch_act_and_mul(p, nullptr);
+}
+
+const char* emu_act_mul_backward(void* grad_gate, void* grad_up, const void* grad_out, const void* gate,
+                                 const void* up, int64_t rows, int64_t cols, int64_t stride, int dtype,
+                                 int activation) {
+  fk::ActAndMulBackwardParams p{};
+  p.grad_gate = grad_gate, p.grad_up = grad_up, p.grad_out = grad_out, p.gate = gate, p.up = up;
+  p.grad_gate_rows = p.grad_up_rows = p.gate_rows = p.up_rows = RowLayout{stride, 0, 1};
+  p.grad_out_rows = RowLayout{cols, 0, 1};
+  p.rows = rows, p.cols = cols, p.dtype = DType(dtype), p.act = fk::Activation(activation);
+  return fk::launch_act_and_mul_backward(p, nullptr);
+}
+
+// strides: q_out, k_out, q, k (token, head)
+const char* emu_rope(void* q_out, void* k_out, const void* q, const void* k, const void* positions, int positions_int64,
+                     const float* inv_freq, const float* cache, int64_t cache_rows, int64_t tokens, int q_heads,
+                     int k_heads, int head_dim, int rotary_dim, const int64_t* strides, int interleave, int inverse,
+                     int in_place, int dtype) {
+  fk::RopeParams p{};
+  p.q_out = q_out, p.k_out = k_out, p.q = q, p.k = k, p.positions = positions;
+  p.inv_freq = inv_freq, p.cos_sin_cache = cache, p.cache_rows = cache_rows;
+  int64_t* dst[] = {p.q_out_strides, p.k_out_strides, p.q_strides, p.k_strides};
+  for (int i = 0; i < 4; ++i) dst[i][0] = strides[2 * i], dst[i][1] = strides[2 * i + 1];
+  p.tokens = tokens, p.q_heads = q_heads, p.k_heads = k_heads, p.head_dim = head_dim, p.rotary_dim = rotary_dim;
+  p.positions_int64 = positions_int64, p.interleave = interleave, p.inverse = inverse, p.in_place = in_place;
+  p.dtype = DType(dtype);
+  return fk::launch_rope(p, nullptr);
+}
+
+// v [tokens, n, heads, head_dim] and s [tokens, n, heads] contiguous; other state optional; out contiguous
+const char* emu_merge_states(void* v_out, float* s_out, const void* v, const float* s, const void* v_other,
+                             const float* s_other, const bool* mask, int64_t tokens, int n, int heads, int head_dim,
+                             int dtype) {
+  fk::MergeStatesParams p{};
+  p.v_out = v_out, p.s_out = s_out, p.v = v, p.s = s, p.v_other = v_other, p.s_other = s_other, p.mask = mask;
+  const int64_t d = head_dim;
+  int64_t vs[] = {n * heads * d, heads * d, d}, ss[] = {int64_t(n) * heads, heads, 1};
+  for (int i = 0; i < 3; ++i) p.v_strides[i] = vs[i], p.s_strides[i] = ss[i];
+  p.v_other_strides[0] = p.v_out_strides[0] = heads * d, p.v_other_strides[1] = p.v_out_strides[1] = d;
+  p.s_other_strides[0] = p.s_out_strides[0] = heads, p.s_other_strides[1] = p.s_out_strides[1] = 1;
+  p.tokens = tokens, p.num_states = n, p.heads = heads, p.head_dim = head_dim, p.dtype = DType(dtype);
+  return fk::launch_merge_states(p, nullptr);
+}
+
+}  // extern "C"

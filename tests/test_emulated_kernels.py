@@ -1,0 +1,252 @@
+"""The GPU kernels' own code, run on the CPU: csrc/cuda/*.cu compiled by g++ with -DFK_EMULATE
+(csrc/include/flashkern/emulate.h: blocks in turn, a block's threads as host threads, real shared
+memory, barriers and shuffles) and called through tests/emu/emu_ops.cpp on torch CPU tensors,
+against the float64 references. This checks each kernel's indexing, tails, vector paths, launch
+planning and reductions where no GPU exists; it does not check the hardware memory model, timing
+or the conversion instructions."""
+
+import ctypes
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FLOAT_DTYPES, assert_close, rand
+
+from flashkern import ref
+from flashkern.rope_scaling import cos_sin_cache, theta_inv_freq
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+I64 = ctypes.POINTER(ctypes.c_int64)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    out = tmp_path_factory.mktemp("emu")
+    flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-DFK_EMULATE", f"-I{ROOT / 'csrc' / 'include'}"]
+    sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu")) + [ROOT / "tests" / "emu" / "emu_ops.cpp"]
+
+    def compile_one(src):
+        obj = out / (src.stem + ".o")
+        subprocess.run([cxx, *flags, "-x", "c++", "-c", str(src), "-o", str(obj)], check=True)
+        return str(obj)
+
+    with ThreadPoolExecutor(2) as pool:
+        objects = list(pool.map(compile_one, sources))
+    so = out / "libfkemu.so"
+    subprocess.run([cxx, "-shared", "-pthread", *objects, "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    P, L, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {  # tests/emu/emu_ops.cpp
+        "emu_rmsnorm": [P, P, P, P, L, L, I64, I64, I64, I, I, F, F],
+        "emu_rmsnorm_backward": [P, P, P, P, P, L, L, L, I, I, F, F],
+        "emu_act_mul": [P, P, P, L, L, I64, I, I],
+        "emu_act_mul_backward": [P, P, P, P, P, L, L, L, I, I],
+        "emu_rope": [P, P, P, P, P, I, P, P, L, L, I, I, I, I, I64, I, I, I, I],
+        "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = ctypes.c_char_p
+    return lib
+
+
+def ptr(t):
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+def i64s(*values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def layout(t):
+    """RowLayout of a 2-D tensor, or of [tokens, heads, dim] as two levels."""
+    if t.dim() == 2:
+        return i64s(t.stride(0), 0, 1)
+    return i64s(t.stride(0), t.stride(1), t.shape[1])
+
+
+def ok(error):
+    assert error is None, error.decode()
+
+
+def nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+# ---------------------------------------------------------------- rmsnorm
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (37, 7), (37, 769), (4, 4096), (3, 5125), (2, 40000)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("weight_fp32", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_kernel(emu, rows, cols, dtype, weight_fp32, residual):
+    x = rand((rows, cols), dtype, "cpu", seed=1)
+    res = rand((rows, cols), dtype, "cpu", seed=2)
+    w = rand((cols,), torch.float32 if weight_fp32 else dtype, "cpu", seed=3)
+    out = x if residual else nan_like(x)  # the fused op writes its input in place
+    x_in, res_in = x.clone(), res.clone()
+    ok(emu.emu_rmsnorm(ptr(out), ptr(x), ptr(res) if residual else None, ptr(w), rows, cols, layout(out), layout(x),
+                       layout(res), DTYPE[dtype], DTYPE[w.dtype], ctypes.c_float(1e-6), ctypes.c_float(0.0)))
+    if residual:
+        expected_y, expected_res = ref.fused_add_rmsnorm(x_in.double(), res_in.double(), w.double())
+        assert_close(res, expected_res, dtype)
+        assert_close(out, expected_y, dtype)
+    else:
+        assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rmsnorm_kernel_layouts(emu, dtype):
+    """Strided rows, a misaligned start (scalar path), and [tokens, heads, head_dim] views of a qkv buffer."""
+    base = rand((37, 4096 + 24), dtype, "cpu", seed=4)
+    w = rand((4096,), dtype, "cpu", seed=5)
+    for x in (base[:, 8 : 8 + 4096], base[:, 1 : 1 + 4096]):
+        out = nan_like(base)[:, 3 : 3 + 4096]
+        ok(emu.emu_rmsnorm(ptr(out), ptr(x), None, ptr(w), 37, 4096, layout(out), layout(x), layout(x), DTYPE[dtype],
+                           DTYPE[dtype], ctypes.c_float(1e-6), ctypes.c_float(1.0)))
+        assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6, 1.0), dtype)
+    qkv = rand((9, 12 * 64), dtype, "cpu", seed=6)
+    q = qkv[:, : 8 * 64].view(9, 8, 64)
+    w = rand((64,), dtype, "cpu", seed=7)
+    out = nan_like(q)
+    ok(emu.emu_rmsnorm(ptr(out), ptr(q), None, ptr(w), 72, 64, layout(out), layout(q), layout(q), DTYPE[dtype],
+                       DTYPE[dtype], ctypes.c_float(1e-6), ctypes.c_float(0.0)))
+    assert_close(out, ref.rmsnorm(q.double(), w.double(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (37, 769), (300, 128), (2, 20000)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_rmsnorm_backward_kernel(emu, rows, cols, dtype, eps):
+    x, dy = rand((rows, cols), dtype, "cpu", seed=8), rand((rows, cols), dtype, "cpu", seed=9)
+    w = rand((cols,), torch.float32, "cpu", seed=10)
+    dx, dw = nan_like(x), nan_like(w)
+    ok(emu.emu_rmsnorm_backward(ptr(dx), ptr(dw), ptr(dy), ptr(x), ptr(w), rows, cols, cols, DTYPE[dtype],
+                                DTYPE[w.dtype], ctypes.c_float(eps), ctypes.c_float(0.0)))
+    edx, edw = ref.rmsnorm_backward(dy.double(), x.double(), w.double(), eps)
+    assert_close(dx, edx, dtype)
+    scale = max(1.0, edw.abs().max().item())
+    assert_close(dw / scale, edw / scale, torch.float32)
+
+
+# ---------------------------------------------------------------- act_mul / act_and_mul
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (37, 7), (37, 769), (5, 4096)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("act", sorted(ACT))
+def test_act_mul_kernels(emu, rows, cols, dtype, act):
+    x = rand((rows, 2 * cols), dtype, "cpu", scale=2.0, seed=11)  # act_and_mul's layout: the halves of one row
+    gate, up = x[:, :cols], x[:, cols:]
+    out = nan_like(x[:, :cols].contiguous())
+    ok(emu.emu_act_mul(ptr(out), ptr(gate), ptr(up), rows, cols, i64s(cols, 2 * cols, 2 * cols), DTYPE[dtype], ACT[act]))
+    assert_close(out, ref.act_and_mul(x.double(), act), dtype)
+    dy = rand((rows, cols), dtype, "cpu", seed=12)
+    dx = nan_like(x)
+    ok(emu.emu_act_mul_backward(ptr(dx[:, :cols]), ptr(dx[:, cols:]), ptr(dy), ptr(gate), ptr(up), rows, cols,
+                                2 * cols, DTYPE[dtype], ACT[act]))
+    assert_close(dx, ref.act_and_mul_backward(dy.double(), x.double(), act), dtype)
+
+
+# ---------------------------------------------------------------- rope
+
+
+def rope_call(emu, q, k, positions, freqs, interleave, inverse=False, in_place=False):
+    q_out, k_out = (q, k) if in_place else (nan_like(q), nan_like(k))
+    cache = freqs.dim() == 2
+    strides = i64s(*q_out.stride()[:2], *k_out.stride()[:2], *q.stride()[:2], *k.stride()[:2])
+    rotary_dim = freqs.shape[1] if cache else 2 * freqs.shape[0]
+    ok(emu.emu_rope(ptr(q_out), ptr(k_out), ptr(q), ptr(k), ptr(positions), int(positions.dtype == torch.int64),
+                    None if cache else ptr(freqs), ptr(freqs) if cache else None, freqs.shape[0] if cache else 0,
+                    q.shape[0], q.shape[1], k.shape[1], q.shape[2], rotary_dim, strides, int(interleave), int(inverse),
+                    int(in_place), DTYPE[q.dtype]))
+    return q_out, k_out
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 96), (72, 68), (10, 6)])
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("table", ["inv_freq", "cache"])
+def test_rope_kernel(emu, head_dim, rotary_dim, interleave, dtype, table):
+    q, k = rand((9, 4, head_dim), dtype, "cpu", seed=13), rand((9, 2, head_dim), dtype, "cpu", seed=14)
+    positions = torch.tensor([0, 1, 7, 100, 4000, 3, 99, 12345, 5], dtype=torch.int32)
+    inv_freq = theta_inv_freq(rotary_dim, 1e4)
+    freqs = cos_sin_cache(inv_freq, 20000) if table == "cache" else inv_freq
+    q_out, k_out = rope_call(emu, q, k, positions, freqs, interleave)
+    eq, ek = ref.rope(q.double(), k.double(), positions, freqs, interleave)
+    assert_close(q_out, eq, dtype)
+    assert_close(k_out, ek, dtype)
+    back = rope_call(emu, q_out, k_out, positions.long(), freqs, interleave, inverse=True)
+    assert_close(back[0], ref.rope(q_out.double(), k_out.double(), positions, freqs, interleave, inverse=True)[0], dtype)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_rope_kernel_in_place_on_fused_qkv(emu, interleave):
+    for offset in (0, 1):  # aligned (16-byte path) and misaligned (scalar path)
+        flat = rand((offset + 9 * 12 * 64,), torch.bfloat16, "cpu", seed=15)
+        qkv = flat[offset:].view(9, 12 * 64)
+        q, k = qkv[:, : 8 * 64].view(9, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(9, 2, 64)
+        v_before = qkv[:, 10 * 64 :].clone()
+        positions = torch.arange(9) * 17
+        inv_freq = theta_inv_freq(64, 1e4)
+        eq, ek = ref.rope(q.double(), k.double(), positions, inv_freq, interleave)
+        rope_call(emu, q, k, positions, inv_freq, interleave, in_place=True)
+        assert_close(q, eq, torch.bfloat16)
+        assert_close(k, ek, torch.bfloat16)
+        assert torch.equal(qkv[:, 10 * 64 :], v_before)
+
+
+def test_rope_kernel_cache_out_of_range_is_nan(emu):
+    q, k = rand((2, 1, 64), torch.float32, "cpu", seed=16), rand((2, 1, 64), torch.float32, "cpu", seed=17)
+    cache = cos_sin_cache(theta_inv_freq(32, 1e4), 10)
+    q_out, _ = rope_call(emu, q, k, torch.tensor([3, 10]), cache, False)
+    assert not q_out[0].isnan().any()
+    assert q_out[1, :, :32].isnan().all() and torch.equal(q_out[1, :, 32:], q[1, :, 32:])
+
+
+# ---------------------------------------------------------------- merge_states
+
+
+@pytest.mark.parametrize("n,heads,head_dim", [(1, 3, 7), (2, 40, 128), (7, 2, 256)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("with_other", [False, True])
+def test_merge_states_kernel(emu, n, heads, head_dim, dtype, with_other):
+    tokens = 5
+    v = rand((tokens, n, heads, head_dim), dtype, "cpu", seed=18)
+    s = rand((tokens, n, heads), torch.float32, "cpu", seed=19) * 4
+    s[1] = float("-inf")  # token 1: empty in the stacked states
+    v_other = rand((tokens, heads, head_dim), dtype, "cpu", seed=20) if with_other else None
+    s_other = rand((tokens, heads), torch.float32, "cpu", seed=21) if with_other else None
+    v_out, s_out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype), torch.full((tokens, heads), 7.0)
+    ok(emu.emu_merge_states(ptr(v_out), ptr(s_out), ptr(v), ptr(s), ptr(v_other), ptr(s_other), None, tokens, n, heads,
+                            head_dim, DTYPE[dtype]))
+    all_v, all_s = v, s
+    if with_other:
+        all_v, all_s = torch.cat([v, v_other[:, None]], 1), torch.cat([s, s_other[:, None]], 1)
+    ev, es = ref.merge_states(all_v.double(), all_s.double())
+    assert_close(v_out, ev, dtype)
+    torch.testing.assert_close(s_out.double(), es, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_states_kernel_in_place_with_mask(emu):
+    tokens, heads, head_dim = 6, 4, 64
+    v = rand((tokens, heads, head_dim), torch.float16, "cpu", seed=22)
+    s = rand((tokens, heads), torch.float32, "cpu", seed=23)
+    v_other, s_other = rand((tokens, heads, head_dim), torch.float16, "cpu", seed=24), rand((tokens, heads), torch.float32, "cpu", seed=25)
+    mask = torch.tensor([True, False, True, True, False, True])
+    ev, es = ref.merge_state(v.double(), s.double(), v_other.double(), s_other.double())
+    v0, s0 = v.clone(), s.clone()
+    ok(emu.emu_merge_states(ptr(v), ptr(s), ptr(v), ptr(s), ptr(v_other), ptr(s_other), ptr(mask), tokens, 1, heads,
+                            head_dim, DTYPE[torch.float16]))
+    assert_close(v[mask], ev[mask], torch.float16)
+    torch.testing.assert_close(s[mask].double(), es[mask], atol=1e-5, rtol=1e-5)
+    assert torch.equal(v[~mask], v0[~mask]) and torch.equal(s[~mask], s0[~mask])
