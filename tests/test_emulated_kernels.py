@@ -24,14 +24,15 @@ ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 I64 = ctypes.POINTER(ctypes.c_int64)
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
+def build(tmp_path_factory, backend):
+    """The emulated kernel library from csrc/cuda/*.cu (warp 32) or csrc/hip/*.hip (wave64/wave32 launchers)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++")
-    out = tmp_path_factory.mktemp("emu")
+    out = tmp_path_factory.mktemp(f"emu-{backend}")
     flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-DFK_EMULATE", f"-I{ROOT / 'csrc' / 'include'}"]
-    sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu")) + [ROOT / "tests" / "emu" / "emu_ops.cpp"]
+    pattern = "*.cu" if backend == "cuda" else "*.hip"
+    sources = sorted((ROOT / "csrc" / backend).glob(pattern)) + [ROOT / "tests" / "emu" / "emu_ops.cpp"]
 
     def compile_one(src):
         obj = out / (src.stem + ".o")
@@ -55,6 +56,19 @@ def emu(tmp_path_factory):
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_char_p
+    return lib
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return build(tmp_path_factory, "cuda")
+
+
+@pytest.fixture(scope="module")
+def emu_wave64(tmp_path_factory):
+    """The HIP launchers on an emulated wave64 (CDNA) device: the kWarp = 64 reductions."""
+    lib = build(tmp_path_factory, "hip")
+    lib.emu_set_warp_size(64)
     return lib
 
 
@@ -136,6 +150,14 @@ def test_rmsnorm_backward_kernel(emu, rows, cols, dtype, eps):
     assert_close(dx, edx, dtype)
     scale = max(1.0, edw.abs().max().item())
     assert_close(dw / scale, edw / scale, torch.float32)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (37, 769), (3, 5125), (2, 40000), (300, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_kernels_wave64(emu_wave64, rows, cols, dtype):
+    test_rmsnorm_kernel(emu_wave64, rows, cols, dtype, weight_fp32=False, residual=False)
+    test_rmsnorm_kernel(emu_wave64, rows, cols, dtype, weight_fp32=True, residual=True)
+    test_rmsnorm_backward_kernel(emu_wave64, rows, cols, dtype, eps=1e-6)
 
 
 # ---------------------------------------------------------------- act_mul / act_and_mul

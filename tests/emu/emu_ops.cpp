@@ -1,4 +1,4 @@
-// C entry points over the kernels' launchers (launch_* in csrc/cuda/*.cu) built with -DFK_EMULATE, for
+// C entry points over the kernels' launchers (launch_* in csrc/cuda/*.cu or csrc/hip/*.hip) built with -DFK_EMULATE, for
 // tests/test_emulated_kernels.py: every pointer is host memory from torch CPU tensors.
 #include <cstdint>
 #include <cstdlib>
@@ -9,6 +9,8 @@ using fk::DType;
 using fk::RowLayout;
 
 extern "C" {
+
+void emu_set_warp_size(int warp_size) { fk::emu::warp_size = warp_size; }
 
 const char* emu_rmsnorm(void* out, const void* input, void* residual, const void* weight, int64_t rows, int64_t cols,
                         const int64_t* out_layout, const int64_t* in_layout, const int64_t* res_layout, int dtype,

@@ -42,6 +42,7 @@ inline thread_local dim3 thread_idx, block_idx;
 inline dim3 grid_dim, block_dim;
 inline std::barrier<>* block_barrier = nullptr;
 inline std::vector<float> shuffle_slots;
+inline int warp_size = 32;  // what the emulated device reports: 64 exercises the HIP launchers' wave64 kernels
 
 inline unsigned linear_thread() { return thread_idx.x + block_dim.x * (thread_idx.y + block_dim.y * thread_idx.z); }
 
@@ -107,7 +108,7 @@ inline gpuError_t gpuGetLastError() { return 0; }
 inline const char* gpuGetErrorString(gpuError_t) { return "emulated launch error"; }
 inline int gpuCurrentDevice() { return 0; }
 inline int gpuMultiprocessorCount(int) { return 4; }
-inline int gpuWarpSize(int) { return 32; }
+inline int gpuWarpSize(int) { return emu::warp_size; }
 template <typename Kernel>
 int gpuMaxActiveBlocksPerSM(Kernel, int) {
   return 2;
