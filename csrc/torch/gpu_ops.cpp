@@ -300,10 +300,12 @@ void act_and_mul_out(Tensor& out, const Tensor& input, c10::string_view activati
 }
 
 Tensor act_and_mul(const Tensor& input, c10::string_view activation) {
-  to_activation("act_and_mul", std::string(activation));
-  check_act_and_mul(public_name(activation).c_str(), input);
-  Tensor out = at::empty(half_last_dim(input), input.options());
-  act_and_mul_out(out, input, activation);
+  const fk::Activation act = to_activation("act_and_mul", std::string(activation));
+  const std::string name = public_name(activation);
+  check_act_and_mul(name.c_str(), input);
+  Tensor out = at::empty(half_last_dim(input), input.options());  // fresh: none of out='s checks apply
+  const auto [gate, up] = halves(input);
+  launch_act_mul(name.c_str(), out, gate, up, act);
   return out;
 }
 
