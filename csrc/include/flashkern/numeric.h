@@ -14,9 +14,11 @@ namespace fk {
 
 struct half_t {
   uint16_t bits;
+  static constexpr bool kIsBf16 = false;
 };
 struct bf16_t {
   uint16_t bits;
+  static constexpr bool kIsBf16 = true;
 };
 
 template <typename To, typename From>

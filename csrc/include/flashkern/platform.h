@@ -3,14 +3,27 @@
 //   FK_HOST_DEVICE, FK_DEVICE, FK_INLINE       function qualifiers
 //   fk::gpuStream_t, fk::gpuError_t, ...       runtime aliases (device builds only)
 //   fk::shfl_xor(v, lane_mask)                 maskless butterfly shuffle over the whole warp
+//   fk::shfl(v, src_lane)                      every lane reads src_lane's v (whole warp)
+//   fk::kHipBuild                              a HIP build (or its emulation), in every pass
 //   fk::hw::*, FK_HW_HALF, FK_HW_BF16          16-bit float conversion instructions where the pass
 //                                              has them (numeric.h falls back to bit-exact software)
 //   fk::store16(p, uint4)                      one 16-byte global store
 //   fk::trap()                                 abort the kernel
 //   FK_LAUNCH(kernel, grid, block, stream)(args...)
+//   FK_LAUNCH_SMEM(kernel, grid, block, dynamic_shared_bytes, stream)(args...)
 //                                              launch on a stream (emulate.h: on host threads)
+//   FK_DYNAMIC_SHARED(name)                    the block's dynamic shared memory, as uint8_t* name
+//   fk::gpuSetMaxDynamicShared(kernel, bytes)  allow more than 48 KB of it (CUDA needs the opt-in)
 //   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
 //                                              for a device whose wavefront is another width
+//   fk::cp_async16 / cp_async_commit / cp_async_wait<n>
+//                                              16-byte global -> shared copies: cp.async on CUDA
+//                                              (FK_ASYNC_COPY), a plain load and store elsewhere
+//   fk::matrix_unit<kWarp>()                   the warp matrix instructions this pass compiles for:
+//                                              mma.sync + ldmatrix (CUDA sm_80+), MFMA (CDNA2/3
+//                                              wave64), or none (simt: RDNA, older CDNA)
+//   fk::ldmatrix_x4[_trans], fk::mma_m16n8k16<T>, fk::mfma_16x16x16<T>
+//                                              those instructions, 16-bit inputs, fp32 accumulators
 #pragma once
 
 #include <cstdint>
@@ -99,12 +112,44 @@ FK_DEVICE float shfl_xor(float v, int lane_mask) {
   return __shfl_xor(v, lane_mask);  // maskless on AMD: all lanes of the wavefront take part
 #endif
 }
+
+FK_DEVICE float shfl(float v, int src_lane) {
+#if defined(FK_CUDA)
+  return __shfl_sync(0xffffffffu, v, src_lane);
+#else
+  return __shfl(v, src_lane);
+#endif
+}
+#endif
+
+#if defined(FK_HIP) || defined(FK_EMULATE_HIP)
+inline constexpr bool kHipBuild = true;
+#else
+inline constexpr bool kHipBuild = false;
 #endif
 
 #if defined(FK_EMU)
-#define FK_LAUNCH(kernel, grid, block, stream) ::fk::emu::launcher(kernel, grid, block)
+#define FK_LAUNCH(kernel, grid, block, stream) ::fk::emu::launcher(kernel, grid, block, 0)
+#define FK_LAUNCH_SMEM(kernel, grid, block, smem, stream) ::fk::emu::launcher(kernel, grid, block, smem)
+#define FK_DYNAMIC_SHARED(name) uint8_t* name = ::fk::emu::dynamic_shared.data()
 #else
 #define FK_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
+#define FK_LAUNCH_SMEM(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#define FK_DYNAMIC_SHARED(name)                              \
+  extern __shared__ __align__(16) uint8_t fk_dynamic_shared[]; \
+  uint8_t* name = fk_dynamic_shared
+#endif
+
+#if defined(FK_CUDA)
+template <typename Kernel>
+gpuError_t gpuSetMaxDynamicShared(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+#elif defined(FK_HIP)
+template <typename Kernel>
+gpuError_t gpuSetMaxDynamicShared(Kernel kernel, int bytes) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 #endif
 
 #if defined(FK_GPU)
@@ -159,6 +204,137 @@ namespace hw {
 FK_DEVICE float half_bits_to_float(uint16_t b) { return static_cast<float>(__builtin_bit_cast(_Float16, b)); }
 FK_DEVICE uint16_t float_to_half_bits(float f) { return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f)); }
 }  // namespace hw
+#endif
+
+// ---- 16-byte asynchronous copies, global -> shared ----
+// cp_async16 copies 16 bytes, or writes 16 zero bytes when !valid (gmem is then not read).
+// A thread's copies complete in the groups it commits; cp_async_wait<n>() returns once at most n
+// of its groups are still in flight, and then its own copies are visible to itself (other
+// threads need a barrier too). Without cp.async (HIP, emulation) the copy is done at once.
+// kAsyncCopy is the same in every compilation pass, so tile shapes that depend on it agree
+// between the host code that sizes a launch and the device code.
+#if defined(FK_CUDA)
+inline constexpr bool kAsyncCopy = true;
+#else
+inline constexpr bool kAsyncCopy = false;
+#endif
+
+#if defined(FK_GPU) && !defined(FK_EMU)
+FK_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+#else
+  *static_cast<uint4*>(smem) = valid ? *static_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+#endif
+}
+FK_DEVICE void cp_async_commit() {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int kPending>
+FK_DEVICE void cp_async_wait() {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+#endif
+
+// ---- warp matrix instructions ----
+enum class MatrixUnit { simt, mma_sync, mfma };
+
+// Which one a kernel instantiated for kWarp uses in this compilation pass. HIP fat binaries pick
+// per target: MFMA with bf16 on gfx90a and gfx94x (wave64 only), plain arithmetic elsewhere. It
+// may differ between passes: nothing the host computes (tile shapes, shared memory) depends on it.
+#if defined(FK_HIP) && defined(FK_DEVICE_PASS) && \
+    (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+#define FK_HAS_MFMA 1
+#endif
+
+template <int kWarp>
+FK_HOST_DEVICE constexpr MatrixUnit matrix_unit() {
+#if defined(FK_CUDA) || (defined(FK_EMU) && !defined(FK_EMULATE_HIP))
+  return MatrixUnit::mma_sync;
+#elif defined(FK_HAS_MFMA) || defined(FK_EMU)
+  return kWarp == 64 ? MatrixUnit::mfma : MatrixUnit::simt;  // FK_EMU here: emulating a HIP build
+#else
+  return MatrixUnit::simt;
+#endif
+}
+
+// The instructions themselves (emulate.h has host versions). Each is declared on every GPU
+// platform so that templates naming it compile everywhere; where it does not exist it traps,
+// and matrix_unit() never selects it there.
+#if defined(FK_GPU) && !defined(FK_EMU)
+// Four 8x8 matrices of 16-bit elements from shared memory: lanes 8i..8i+7 give the row addresses
+// of matrix i; register i of lane l then holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1
+// of matrix i (_trans: of its transpose).
+FK_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#else
+  trap();
+#endif
+}
+FK_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#else
+  trap();
+#endif
+}
+
+// d += a b for a 16x16 A (row major) and a 16x8 B (column major), fp32 accumulators; the fragment
+// layouts are PTX's (mma.m16n8k16, .f16 / .bf16): lane l, g = l / 4, t = l % 4, holds
+//   a: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)    b: (2t..2t+1, g), (2t+8.., g)
+//   d: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+template <typename T>
+FK_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  if constexpr (T::kIsBf16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  trap();
+#endif
+}
+
+// d += a b for 16x16x16 on one wave64 (v_mfma_f32_16x16x16{f16,bf16_1k}): lane l, c = l % 16,
+// q = l / 16, holds a: A(c, 4q..4q+3), b: B(4q..4q+3, c), d: D(4q..4q+3, c); 4 elements in two words.
+template <typename T>
+FK_DEVICE void mfma_16x16x16(float (&d)[4], const uint32_t (&a)[2], const uint32_t (&b)[2]) {
+#if defined(FK_HAS_MFMA)
+  typedef float f32x4 __attribute__((ext_vector_type(4)));
+  f32x4 acc = {d[0], d[1], d[2], d[3]};
+  if constexpr (T::kIsBf16) {
+    typedef short i16x4 __attribute__((ext_vector_type(4)));
+    acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(i16x4, a), __builtin_bit_cast(i16x4, b), acc,
+                                                     0, 0, 0);
+  } else {
+    typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
+    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(f16x4, a), __builtin_bit_cast(f16x4, b), acc, 0,
+                                                0, 0);
+  }
+  d[0] = acc[0], d[1] = acc[1], d[2] = acc[2], d[3] = acc[3];
+#else
+  trap();
+#endif
+}
 #endif
 
 }  // namespace fk
