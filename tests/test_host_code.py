@@ -191,3 +191,41 @@ def test_merge_weights(lib):
     assert list(out[n]) == [0.0, 0.0, -np.inf]  # both empty: zero weights, still empty
     assert list(out[n + 1]) == [0.0, 1.0, 3.0] and list(out[n + 2]) == [1.0, 0.0, 5.0]  # one empty: exact
     assert np.isnan(out[n + 3]).all()  # NaN stays NaN
+
+
+def test_divmod(lib):
+    """The page/slot split of every token position: n / d and n % d by multiply-high, for n < 2^31."""
+    rng = np.random.default_rng(2)
+    n = np.concatenate([np.arange(5000), 2**31 - 1 - np.arange(5000), rng.integers(0, 2**31, 200000)]).astype(np.uint32)
+    q, r = np.empty_like(n), np.empty_like(n)
+    for d in [1, 2, 3, 7, 15, 16, 17, 100, 127, 128, 129, 1000, 4096, 65535, 131072, 1000003, 2**30 - 1, 2**31 - 1]:
+        lib.fk_divmod(ctypes.c_uint32(d), ptr(n), ptr(q), ptr(r), ctypes.c_int64(n.size))
+        assert np.array_equal(q, n // d) and np.array_equal(r, n % d), d
+
+
+@pytest.mark.parametrize("tile", [1, 4, 16, 64])
+def test_online_softmax(lib, tile):
+    """Tile-by-tile base-2 online softmax against float64 logsumexp and softmax: masked (-inf) logits,
+    a fully masked tile first, large magnitudes, all masked, NaN."""
+    rng = np.random.default_rng(3)
+    cases = [
+        rng.normal(0, 3, 1000),
+        np.concatenate([np.full(70, -np.inf), rng.normal(0, 1, 50), [-np.inf] * 3]),  # masked first tiles
+        rng.normal(0, 1, 257) * 80,  # logits far apart
+        np.full(10, -np.inf),  # an empty state
+    ]
+    out = np.empty(3, dtype=np.float32)
+    for x in cases:
+        x = x.astype(np.float32)
+        w = np.empty_like(x)
+        lib.fk_online_softmax(ptr(x), ctypes.c_int64(x.size), ctypes.c_int64(tile), ptr(out), ptr(w))
+        x64 = x.astype(np.float64)
+        if np.isneginf(x64).all():
+            assert out[1] == 0 and out[2] == -np.inf and (w == 0).all()
+            continue
+        lse = np.logaddexp.reduce(x64)
+        np.testing.assert_allclose(out[2], lse, rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(w, np.exp(x64 - lse), rtol=1e-5, atol=1e-7)
+    x = np.array([0.5, np.nan, 1.0], dtype=np.float32)
+    lib.fk_online_softmax(ptr(x), ctypes.c_int64(3), ctypes.c_int64(tile), ptr(out), ptr(np.empty(3, np.float32)))
+    assert np.isnan(out[2]), "a NaN logit makes the state NaN"

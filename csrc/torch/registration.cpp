@@ -5,6 +5,10 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <vector>
+
+#include "flashkern/attention_plan.h"
+
 #ifndef FLASHKERN_BACKEND
 #define FLASHKERN_BACKEND "cpu"
 #endif
@@ -39,11 +43,79 @@ TORCH_LIBRARY(flashkern, m) {
   m.def("merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b) -> (Tensor v, Tensor s)");
   m.def("merge_state_in_place(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, Tensor? mask) -> ()");
   m.def("merge_states(Tensor v, Tensor s) -> (Tensor v_merged, Tensor s_merged)");
+  // attention over a paged KV cache as planned in `workspace` (attention_work.h): q [batch, qo_heads,
+  // head_dim], k_cache and v_cache [pages, page_size, kv_heads, head_dim] (views of the cache), one
+  // kv_indices per level; writes out [batch, qo_heads, head_dim] and lse [batch, qo_heads] (natural
+  // log). grid: blocks for the decode, 16-row and 64-row kernels and (0 or 1) the merge.
+  m.def(
+      "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
+      "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale) -> ()");
 }
+
+// _C.plan_attention(levels, batch, page_size, group_size, kv_heads, cta_budget, min_chunk,
+//                   item_capacity, slot_capacity, names, indexed, out, out_words)
+//   -> (words, (count per kind), slots, chunk, needs_merge), or ValueError naming the bad argument.
+// levels: [(qo_indptr, kv_indptr, kv_last_page_len, groups, num_indices)] with the data pointers
+// of contiguous int32 CPU tensors (qo_indptr 0: one query per group); names: the caller's names
+// of (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) for messages, indexed: name[level]; out:
+// an int32 CPU buffer of out_words words that receives the plan (attention_plan.h).
+static PyObject* plan_attention(PyObject*, PyObject* args) {
+  PyObject* level_list = nullptr;
+  fk::PlanShape shape{};
+  const char* names[4] = {};
+  int indexed = 0;
+  unsigned long long out_ptr = 0;
+  long long out_words = 0;
+  if (!PyArg_ParseTuple(args, "OLLLLLLLL(ssss)pKL", &level_list, &shape.batch, &shape.page_size, &shape.group_size,
+                        &shape.kv_heads, &shape.cta_budget, &shape.min_chunk, &shape.item_capacity,
+                        &shape.slot_capacity, &names[0], &names[1], &names[2], &names[3], &indexed, &out_ptr,
+                        &out_words))
+    return nullptr;
+  for (int i = 0; i < 4; ++i) shape.names[i] = names[i];
+  shape.indexed = indexed != 0;
+  PyObject* seq = PySequence_Fast(level_list, "levels must be a sequence");
+  if (seq == nullptr) return nullptr;
+  std::vector<fk::PlanLevel> levels;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    unsigned long long qo = 0, kv = 0, last = 0;
+    long long groups = 0, num_indices = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKLL", &qo, &kv, &last, &groups, &num_indices)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    levels.push_back({reinterpret_cast<const int32_t*>(qo), reinterpret_cast<const int32_t*>(kv),
+                      reinterpret_cast<const int32_t*>(last), groups, num_indices});
+  }
+  Py_DECREF(seq);
+  const fk::PlanResult r = fk::plan_attention(levels.data(), int(levels.size()), shape,
+                                              reinterpret_cast<int32_t*>(out_ptr), out_words);
+  if (!r.error.empty()) {
+    PyErr_SetString(PyExc_ValueError, r.error.c_str());
+    return nullptr;
+  }
+  return Py_BuildValue("L(iii)LLO", (long long)r.words, r.count[0], r.count[1], r.count[2], (long long)r.slots,
+                       (long long)r.chunk, r.needs_merge ? Py_True : Py_False);
+}
+
+// _C.workspace_layout(bytes, batch, qo_heads, head_dim)
+//   -> (int_words, item_capacity, slot_capacity, partial_s_offset, partial_v_offset)
+static PyObject* workspace_layout(PyObject*, PyObject* args) {
+  long long bytes = 0, batch = 0, heads = 0, head_dim = 0;
+  if (!PyArg_ParseTuple(args, "LLLL", &bytes, &batch, &heads, &head_dim)) return nullptr;
+  const fk::WorkspaceLayout w = fk::workspace_layout(bytes, batch, heads, head_dim);
+  return Py_BuildValue("LLLLL", (long long)w.int_words, (long long)w.item_capacity, (long long)w.slot_capacity,
+                       (long long)w.partial_s_offset, (long long)w.partial_v_offset);
+}
+
+static PyMethodDef methods[] = {
+    {"plan_attention", plan_attention, METH_VARARGS, "Plan batch attention over a paged KV cache (host)."},
+    {"workspace_layout", workspace_layout, METH_VARARGS, "Where a plan and its partial states sit in a workspace."},
+    {nullptr, nullptr, 0, nullptr},
+};
 
 // What this binary was built with, for flashkern.info().
 PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "flashkern's compiled ops", -1, nullptr};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "flashkern's compiled ops", -1, methods};
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   PyModule_AddStringConstant(m, "BACKEND", FLASHKERN_BACKEND);  // "cuda", "hip" or "cpu"

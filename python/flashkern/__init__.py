@@ -10,6 +10,8 @@ from . import _C  # noqa: F401  (registers the op schemas: torch.ops.flashkern.*
 from . import ref
 from ._backend import get_backend, set_backend
 from .attention import merge_state, merge_state_in_place, merge_states
+from .cascade import MultiLevelCascadeAttentionWrapper
+from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
 from .activation import act_mul, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
@@ -31,6 +33,8 @@ from .rope_scaling import cos_sin_cache, rope_frequencies, rope_frequencies_from
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
     "act_mul",
     "apply_llama31_rope",
     "apply_llama31_rope_inplace",
@@ -60,4 +64,5 @@ __all__ = [
     "rope_frequencies_from_config",
     "set_backend",
     "silu_and_mul",
+    "single_decode_with_kv_cache",
 ]

@@ -180,3 +180,59 @@ def check_state(op, v_name, v, s_name, s, reference, stacked=False):
         raise ValueError(f"{op}: {s_name} is on {s.device} but {v_name} is on {v.device}")
     if tuple(s.shape) != tuple(v.shape[:-1]):
         raise ValueError(f"{op}: {s_name} must have shape {tuple(v.shape[:-1])} ({v_name}'s without head_dim), got {tuple(s.shape)}")
+
+
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)
+MAX_LEVELS = 8  # attention_work.h: kMaxLevels
+
+
+def check_head_dim(op, head_dim):
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{op}: head_dim must be 64, 128 or 256, got {head_dim}")
+
+
+def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
+    """torch.ops.flashkern.batch_attention's arguments: q [batch, qo_heads, D], k_cache and v_cache
+    [pages, page_size, kv_heads, D] (any strides, D contiguous), kv_indices a list of 1-D int32
+    tensors, a uint8 workspace, out [batch, qo_heads, D] and lse [batch, qo_heads] float32, both
+    contiguous, grid four non-negative ints, a finite sm_scale."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("workspace", workspace), ("out", out),
+                    ("lse", lse)):
+        check_tensor(op, name, t)
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be 3-D [batch, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if q.dtype not in ATTENTION_DTYPES:
+        raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
+    check_last_dim_contiguous(op, "q", q)
+    check_head_dim(op, q.shape[2])
+    check_same(op, "k_cache", k_cache, "q", q, same_shape=False)
+    check_same(op, "v_cache", v_cache, "k_cache", k_cache)
+    if k_cache.dim() != 4 or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(
+            f"{op}: k_cache must be 4-D [pages, page_size, num_kv_heads, head_dim] with q's head_dim "
+            f"{q.shape[2]}, got shape {tuple(k_cache.shape)}"
+        )
+    check_last_dim_contiguous(op, "k_cache", k_cache)
+    check_last_dim_contiguous(op, "v_cache", v_cache)
+    kv_heads = k_cache.shape[2]
+    if kv_heads == 0 or q.shape[1] % kv_heads:
+        raise ValueError(f"{op}: num_qo_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({kv_heads})")
+    if not isinstance(kv_indices, (list, tuple)) or not 1 <= len(kv_indices) <= MAX_LEVELS:
+        raise ValueError(f"{op}: kv_indices must be a list of 1 to {MAX_LEVELS} tensors (one per level)")
+    for i, t in enumerate(kv_indices):
+        check_tensor(op, f"kv_indices[{i}]", t)
+        if t.dtype != torch.int32:
+            raise TypeError(f"{op}: kv_indices[{i}] must be int32, got {t.dtype}")
+        if t.dim() != 1 or t.device != q.device:
+            raise ValueError(f"{op}: kv_indices[{i}] must be 1-D on {q.device}, got shape {tuple(t.shape)} on {t.device}")
+    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous() or workspace.device != q.device:
+        raise ValueError(f"{op}: workspace must be a contiguous 1-D uint8 tensor on {q.device}")
+    if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"{op}: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]) or not lse.is_contiguous() or lse.device != q.device:
+        raise ValueError(f"{op}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:2])} on {q.device}")
+    if len(grid) != 4 or any(int(g) < 0 for g in grid):
+        raise ValueError(f"{op}: grid must be four non-negative block counts, got {list(grid)}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"{op}: sm_scale must be finite, got {sm_scale}")

@@ -4,6 +4,7 @@
 
 #include "flashkern/activations.h"
 #include "flashkern/attention_state.h"
+#include "flashkern/divmod.h"
 #include "flashkern/numeric.h"
 #include "flashkern/ops.h"
 #include "flashkern/rows.h"
@@ -77,6 +78,28 @@ void fk_merge_weights(const float* s_a, const float* s_b, float* out, int64_t n)
     const fk::MergeWeights w = fk::merge_weights(s_a[i], s_b[i]);
     out[3 * i] = w.a, out[3 * i + 1] = w.b, out[3 * i + 2] = w.s;
   }
+}
+
+// q, r: n / d and n % d for every n
+void fk_divmod(uint32_t d, const uint32_t* n, uint32_t* q, uint32_t* r, int64_t count) {
+  const fk::Divmod div(d);
+  for (int64_t i = 0; i < count; ++i) div.divmod(n[i], q[i], r[i]);
+}
+
+// The kernels' online softmax over natural-log logits x[0..n), fed `tile` at a time (base 2,
+// pre-scaled by log2 e); out: (m, l, lse). Also the weights: w[i] = exp(x[i] - lse) as the kernels
+// normalize them at the end.
+void fk_online_softmax(const float* x, int64_t n, int64_t tile, float* out, float* w) {
+  float m = -INFINITY, l = 0.f;
+  for (int64_t start = 0; start < n; start += tile) {
+    const int64_t end = start + tile < n ? start + tile : n;
+    float tile_max = -INFINITY;
+    for (int64_t i = start; i < end; ++i) tile_max = fmaxf(tile_max, x[i] * fk::kLog2e);
+    l *= fk::softmax_rescale(m, tile_max);
+    for (int64_t i = start; i < end; ++i) l += fk::softmax_weight(x[i] * fk::kLog2e, m);
+  }
+  out[0] = m, out[1] = l, out[2] = fk::state_lse(m, l);
+  for (int64_t i = 0; i < n; ++i) w[i] = l > 0.f ? fk::softmax_weight(x[i] * fk::kLog2e, m) / l : 0.f;
 }
 
 }  // extern "C"

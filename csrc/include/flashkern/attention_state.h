@@ -2,6 +2,10 @@
 // v = sum_j softmax_j * value_j and s = log(sum_j exp(logit_j)), the natural-log sum-exp of the
 // scaled logits (as FlashAttention, vLLM and torch.logsumexp; FlashInfer uses base 2). An empty
 // key set is (0, -inf); merging with it is exact. Host-device: tests/test_host_code.py checks it.
+//
+// Inside the attention kernels a state is kept in base 2: logits are pre-scaled by
+// sm_scale * log2(e), so every exponential is one exp2; m is the running maximum of those logits
+// and l = sum_j exp2(logit_j - m). Natural-log s = (m + log2 l) * ln 2 leaves the kernel.
 #pragma once
 
 #include <cmath>
@@ -23,5 +27,24 @@ FK_HOST_DEVICE MergeWeights merge_weights(float s_a, float s_b) {
   const float sum = e_a + e_b;
   return {e_a / sum, e_b / sum, m + logf(sum)};
 }
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// exp2(x - m) for a weight relative to the running maximum m; an all-masked state (m = -inf)
+// gives 0 instead of exp2(-inf + inf) = NaN.
+FK_HOST_DEVICE float softmax_weight(float x, float m) { return m == -INFINITY ? 0.f : exp2f(x - m); }
+
+// Raises the running maximum m to include `tile_max` and returns the factor exp2(m_old - m_new)
+// by which l and the accumulated values must be multiplied (1 while everything is masked).
+FK_HOST_DEVICE float softmax_rescale(float& m, float tile_max) {
+  const float m_new = m > tile_max ? m : tile_max;  // a NaN logit reaches l and v through its weight
+  const float alpha = softmax_weight(m, m_new);
+  m = m_new;
+  return m_new == -INFINITY ? 1.f : alpha;
+}
+
+// The natural-log sum-exp of a base-2 state; an empty one (l = 0) is -inf, a NaN stays NaN.
+FK_HOST_DEVICE float state_lse(float m, float l) { return l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2; }
 
 }  // namespace fk

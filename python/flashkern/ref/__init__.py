@@ -5,12 +5,24 @@ done in float32 for float16/bfloat16/float32 inputs, as the kernels do, and in f
 float64 inputs, so calling them on float64 copies gives the exact answer to compare against.
 """
 
-from .attention import batch_decode, cascade_decode, decode_attention, merge_state, merge_states
 from .activation import act_and_mul, act_and_mul_backward, act_mul, act_mul_backward
+from .attention import batch_attention, batch_decode, cascade_decode, decode_attention, merge_state, merge_states
 from .norm import fused_add_rmsnorm, rmsnorm, rmsnorm_backward
 from .rope import rope
 
 __all__ = [
+    "act_and_mul",
+    "act_and_mul_backward",
+    "act_mul",
+    "act_mul_backward",
+    "batch_attention",
     "batch_decode",
     "cascade_decode",
-    "decode_attention","act_and_mul", "act_and_mul_backward", "act_mul", "act_mul_backward", "fused_add_rmsnorm", "rmsnorm", "merge_state", "merge_states", "rmsnorm_backward", "rope"]
+    "decode_attention",
+    "fused_add_rmsnorm",
+    "merge_state",
+    "merge_states",
+    "rmsnorm",
+    "rmsnorm_backward",
+    "rope",
+]

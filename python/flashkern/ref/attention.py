@@ -105,3 +105,64 @@ def cascade_decode(q, paged_kv_cache, qo_indptr_arr, kv_indptr_arr, kv_indices_a
                                         kv_layout, sm_scale)
         v, s = (level_v, level_s) if v is None else merge_state(v, s, level_v, level_s)
     return v, s
+
+
+# ---- running a plan: what torch.ops.flashkern.batch_attention does, in torch ----
+
+KIND_ROWS = (4, 16, 64)  # rows of a work item per kind (attention_work.h: kind_rows)
+
+
+def read_plan(words):
+    """A plan (the int32 words at the start of a workspace, attention_work.h) as Python lists:
+    (items per kind, merge_indptr, merge_indices). Reads the words back to the host."""
+    w = words.cpu()
+    header = w[:16].tolist()
+    count, start, indptr_at, indices_at, slots, batch = header[0:3], header[3:6], header[6], header[7], header[8], header[9]
+    items = [w[start[k] : start[k] + 8 * count[k]].view(-1, 8).tolist() for k in range(3)]
+    return items, w[indptr_at : indptr_at + batch + 1].tolist(), w[indices_at : indices_at + slots].tolist()
+
+
+def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale):
+    """The plan in `words` run with torch, item by item as the kernels run it: each item's state over
+    its KV chunk goes straight to (out, lse) for a query with one state and to its slot of
+    partial_s / partial_v otherwise; then each query's slots are merged. q [batch, qo_heads, D],
+    k_cache / v_cache [pages, page_size, kv_heads, D] -> (out, lse). A page index outside the
+    cache raises ValueError (the kernels write NaN for the query instead)."""
+    batch, qo_heads, head_dim = q.shape
+    num_pages, page_size, kv_heads = k_cache.shape[:3]
+    group = qo_heads // kv_heads
+    c = compute_dtype(q)
+    items, indptr, merge_indices = read_plan(words)
+    n_states = torch.tensor([indptr[t + 1] - indptr[t] for t in range(batch)], dtype=torch.long)
+    out = torch.zeros(batch, qo_heads, head_dim, dtype=c, device=q.device)
+    lse = torch.full((batch, qo_heads), float("-inf"), dtype=c, device=q.device)
+    kv_heads_of = torch.arange(kv_heads, device=q.device)
+    for kind, kind_items in enumerate(items):
+        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin in kind_items:
+            rows = torch.arange(row_begin, min(row_begin + KIND_ROWS[kind], n_q * group), device=q.device)
+            t, head_in_group = q_begin + rows // group, rows % group
+            pos = torch.arange(kv_begin, kv_end, device=q.device)
+            pages = kv_indices[level][page_begin + pos // page_size].long()
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+                raise ValueError(
+                    f"batch_attention: kv_indices[{level}] holds page {int(pages.max())} (or a negative one), "
+                    f"outside the cache's {num_pages} pages"
+                )
+            k, v = k_cache[pages, pos % page_size].to(c), v_cache[pages, pos % page_size].to(c)  # [n, kv_heads, D]
+            heads = kv_heads_of[:, None] * group + head_in_group[None, :]  # [kv_heads, rows]: the q heads
+            logits = torch.einsum("hrd,nhd->hrn", q[t[None, :], heads].to(c), k) * sm_scale
+            s = torch.logsumexp(logits, dim=-1)
+            o = torch.einsum("hrn,nhd->hrd", torch.softmax(logits, dim=-1), v)
+            tt = t[None, :].expand_as(heads)
+            direct = n_states[t.cpu()].to(q.device)[None, :].expand_as(heads) == 1
+            out[tt[direct], heads[direct]] = o[direct]
+            lse[tt[direct], heads[direct]] = s[direct]
+            slot = (slot_begin + tt - q_begin)[~direct]
+            partial_v[slot, heads[~direct]] = o[~direct].float()
+            partial_s[slot, heads[~direct]] = s[~direct].float()
+    for t in range(batch):
+        if n_states[t] > 1:
+            slots = torch.tensor(merge_indices[indptr[t] : indptr[t + 1]], device=q.device)
+            v, s = merge_states(partial_v[slots][None].to(c), partial_s[slots][None].to(c))
+            out[t], lse[t] = v[0], s[0]
+    return out.to(q.dtype), lse.float()

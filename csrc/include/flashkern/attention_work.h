@@ -1,0 +1,92 @@
+// How batch attention over a paged KV cache is cut into work, shared by the host planner
+// (attention_plan.h), the kernels and the CPU executor of a plan (python/flashkern/_paged.py).
+//
+// A level is a set of groups; group j's queries qo_indptr[j]..qo_indptr[j+1] all attend to the
+// same KV: the pages kv_indices[kv_indptr[j]..kv_indptr[j+1]], the last one holding
+// last_page_len[j] tokens (batch decode: one level, a group per request; cascade: level 0 is the
+// prefix shared by the most requests). Per KV head the rows of a group are its (query, q head of
+// the GQA group) pairs, query-major. A work item is one block's job: a tile of a group's rows
+// over a chunk of its KV (split-KV), for every KV head (blockIdx.y). Each (group, chunk) writes a
+// partial state per query into a slot; a query's slots, over every level and chunk, are merged
+// into its output, except a query with a single state, which the kernel writes directly.
+//
+// The plan lives in the caller's workspace, so that run() only launches kernels (and a CUDA
+// graph replays whatever the last plan() wrote): an int32 region of header, items and merge
+// lists, then the fp32 partial states.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkern/platform.h"
+
+namespace fk {
+
+// The three kernels a work item can be for (kernels/batch_attention.cuh).
+enum class AttentionKind : int32_t {
+  decode = 0,   // one query, GQA group of at most kDecodeMaxGroup heads: CUDA cores, heads in registers
+  tile16 = 1,   // at most 16 rows: the multi-query (matrix-unit) kernel, warps splitting the KV tile
+  tile64 = 2,   // more rows: the multi-query kernel, 64-row tiles
+};
+inline constexpr int kAttentionKinds = 3;
+inline constexpr int kDecodeMaxGroup = 4;
+inline constexpr int kMaxLevels = 8;  // cascade levels: kv_indices pointers travel in the params
+
+FK_HOST_DEVICE int kind_rows(AttentionKind kind) {
+  return kind == AttentionKind::tile64 ? 64 : kind == AttentionKind::tile16 ? 16 : kDecodeMaxGroup;
+}
+
+struct AttentionWorkItem {
+  int32_t level;          // which kv_indices
+  int32_t q_begin;        // the group's first query
+  int32_t n_q;            // its number of queries
+  int32_t row_begin;      // first row of this item's tile, in [0, n_q * group)
+  int32_t page_begin;     // the group's first entry of kv_indices[level]
+  int32_t kv_begin;       // this chunk's tokens: [kv_begin, kv_end) of the group's sequence
+  int32_t kv_end;
+  int32_t slot_begin;     // the state slot of the group's first query for this chunk
+};
+static_assert(sizeof(AttentionWorkItem) == 32, "items are copied to the device as int32 words");
+inline constexpr int kItemWords = 8;
+
+// The int32 words at the start of the workspace.
+struct PlanHeader {
+  int32_t count[kAttentionKinds];   // items of each kind
+  int32_t items[kAttentionKinds];   // where each kind's items start (words from the workspace start)
+  int32_t merge_indptr;             // [batch + 1]: query t's slots are merge_indices[indptr[t]..indptr[t+1]]
+  int32_t merge_indices;
+  int32_t slots;                    // slots in use
+  int32_t batch;
+  int32_t reserved[6];
+};
+static_assert(sizeof(PlanHeader) == 64, "the header is 16 words");
+inline constexpr int kHeaderWords = 16;
+
+// Where things are in a workspace of `bytes` for this problem shape: the int32 region holds the
+// header, up to item_capacity items and the merge lists of up to `batch` queries and
+// slot_capacity slots; then slot_capacity partial states (s: [slots, qo_heads] fp32, v: [slots,
+// qo_heads, head_dim] fp32). Depends on the shape only, never on the plan: run() is the same
+// launch for every plan of a shape.
+struct WorkspaceLayout {
+  int64_t int_words;
+  int64_t item_capacity;
+  int64_t slot_capacity;
+  int64_t partial_s_offset;  // bytes
+  int64_t partial_v_offset;  // bytes
+};
+
+FK_HOST_DEVICE int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+FK_HOST_DEVICE WorkspaceLayout workspace_layout(int64_t bytes, int64_t batch, int64_t qo_heads, int64_t head_dim) {
+  // Per slot: two items (a query's rows can straddle two tiles), a merge index and the state.
+  const int64_t per_slot = 4 * (2 * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
+  const int64_t fixed = 4 * (kHeaderWords + batch + 1) + 3 * 256;  // + alignment of the regions
+  WorkspaceLayout w{};
+  w.slot_capacity = bytes > fixed ? (bytes - fixed) / per_slot : 0;
+  w.item_capacity = 2 * w.slot_capacity;
+  w.int_words = kHeaderWords + kItemWords * w.item_capacity + batch + 1 + w.slot_capacity;
+  w.partial_s_offset = align_up(4 * w.int_words, 256);
+  w.partial_v_offset = align_up(w.partial_s_offset + 4 * w.slot_capacity * qo_heads, 256);
+  return w;
+}
+
+}  // namespace fk

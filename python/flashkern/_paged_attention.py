@@ -1,0 +1,226 @@
+"""Attention over a paged KV cache: the plan/run machinery behind the decode and cascade wrappers,
+and the op they launch, torch.ops.flashkern.batch_attention (its CPU implementation and fake).
+
+plan() does every host step once per batch: it checks the page tables, lets the C++ planner
+(csrc/include/flashkern/attention_plan.h) split the KV into work items and writes that plan into
+the caller's workspace. run() checks shapes and launches, nothing else: no host synchronization,
+no allocation outside torch, so it can be captured in a CUDA graph (a replay runs whatever plan()
+wrote last) and traced by torch.compile.
+Order in this file: the shared wrapper base, CPU reference registration, fake function.
+"""
+
+import torch
+
+from . import _C, _backend, ref
+from ._validate import ATTENTION_DTYPES, check_batch_attention, check_head_dim, check_tensor
+
+_ops = torch.ops.flashkern
+
+MIN_CHUNK = 256  # tokens: split-KV never cuts a sequence finer
+CPU_CTA_BUDGET = 16  # the CPU runs plans through the reference; a small budget still splits long sequences
+KIND_DECODE, KIND_TILE16, KIND_TILE64 = 0, 1, 2  # attention_work.h: AttentionKind
+DECODE_MAX_GROUP = 4
+
+
+def kv_cache_views(op, paged_kv_cache, kv_layout):
+    """(k_cache, v_cache) as [pages, page_size, num_kv_heads, head_dim] views (no copy) of a 5-D
+    paged cache [pages, 2, page_size, heads, D] (NHD) / [pages, 2, heads, page_size, D] (HND) or of a
+    (k_cache, v_cache) tuple of 4-D tensors in that layout."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"{op}: paged_kv_cache must be a tensor or a (k_cache, v_cache) pair")
+        k, v = paged_kv_cache
+        check_tensor(op, "k_cache", k)
+        check_tensor(op, "v_cache", v)
+        if k.dim() != 4 or v.shape != k.shape:
+            raise ValueError(
+                f"{op}: k_cache and v_cache must be 4-D of one shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+    else:
+        check_tensor(op, "paged_kv_cache", paged_kv_cache)
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            layout = "[pages, 2, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD" else \
+                "[pages, 2, num_kv_heads, page_size, head_dim]"
+            raise ValueError(f"{op}: paged_kv_cache must be 5-D {layout} ({kv_layout}), got shape "
+                             f"{tuple(paged_kv_cache.shape)}")
+        k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    if kv_layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def check_kv_layout(op, kv_layout):
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"{op}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+
+
+def attention_dtype(op, name, value, default=None):
+    """q_data_type / kv_data_type: a torch dtype or its name ("float16", "bfloat16")."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        value = getattr(torch, value, None) if value in ("float16", "bfloat16", "half") else value
+    if value not in ATTENTION_DTYPES:
+        raise TypeError(f"{op}: {name} must be torch.float16 or torch.bfloat16, got {value!r}")
+    return value
+
+
+def reject_unsupported(op, **options):
+    """FlashInfer options flashkern accepts only at their defaults (the kernels do not implement them)."""
+    defaults = {"pos_encoding_mode": "NONE", "window_left": -1, "logits_soft_cap": None, "rope_scale": None,
+                "rope_theta": None, "causal": False, "q_scale": None, "k_scale": None, "v_scale": None}
+    for name, value in options.items():
+        if value != defaults[name] and not (name == "logits_soft_cap" and value == 0.0):
+            raise ValueError(f"{op}: {name}={value!r} is not supported by flashkern (only {defaults[name]!r})")
+
+
+def host_int32(op, name, t, length=None):
+    """A page-table argument: a 1-D int32 tensor (of `length` entries), as a contiguous CPU tensor."""
+    check_tensor(op, name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{op}: {name} must be int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{op}: {name} must have {length} entries, got {t.shape[0]}")
+    return t.to("cpu").contiguous()  # a device tensor costs one synchronization here, in plan()
+
+
+class PagedAttention:
+    """What the wrappers share: the workspace, the plan in it, and run()."""
+
+    def __init__(self, op, workspace_buffer, kv_layout, use_cuda_graph):
+        check_tensor(op, "workspace_buffer", workspace_buffer)
+        if workspace_buffer.dtype != torch.uint8 or workspace_buffer.dim() != 1 or not workspace_buffer.is_contiguous():
+            raise ValueError(
+                f"{op}: workspace_buffer must be a contiguous 1-D uint8 tensor, got {workspace_buffer.dtype} "
+                f"of shape {tuple(workspace_buffer.shape)}"
+            )
+        check_kv_layout(op, kv_layout)
+        self._workspace = workspace_buffer
+        self._device = workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._plan_info = None
+        self._num_pages = None  # the cache size run() last saw: graph replays keep using that cache
+        self._cta_budget = self.cta_budget(self._device)
+        self._min_chunk = MIN_CHUNK
+
+    @staticmethod
+    def cta_budget(device):
+        """Blocks split-KV aims to fill: two per multiprocessor (the kernels' occupancy)."""
+        if device.type == "cuda":
+            return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return CPU_CTA_BUDGET
+
+    @property
+    def is_cuda_graph_enabled(self):
+        return self._use_cuda_graph
+
+    def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
+              q_dtype, kv_dtype, names, indexed, possible_kinds):
+        """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
+        shape-checked; device_indices: each level's kv_indices where the kernels will read them.
+        Checks the rest, plans, and writes the plan into the workspace."""
+        check_head_dim(op, head_dim)
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"{op}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if kv_dtype != q_dtype:
+            raise TypeError(f"{op}: kv_data_type must equal q_data_type ({q_dtype}), got {kv_dtype}")
+        sm_scale = float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)
+        max_page = -1
+        for i, (_, _, indices, _) in enumerate(levels):
+            if indices.numel():
+                lo, hi = int(indices.min()), int(indices.max())
+                if lo < 0:
+                    raise ValueError(f"{op}: {names[2]}{f'[{i}]' if indexed else ''} holds a negative page index {lo}")
+                max_page = max(max_page, hi)
+        if self._use_cuda_graph and self._num_pages is not None and max_page >= self._num_pages:
+            raise ValueError(f"{op}: page index {max_page} is outside the {self._num_pages}-page cache the graph runs on")
+
+        layout = _C.workspace_layout(self._workspace.numel(), batch, num_qo_heads, head_dim)
+        int_words, item_capacity, slot_capacity = layout[:3]
+        payload = torch.empty(int_words, dtype=torch.int32, pin_memory=self._device.type == "cuda")
+        plan_levels = [
+            (qo.data_ptr() if qo is not None else 0, kv.data_ptr(), last.data_ptr(), kv.shape[0] - 1, indices.shape[0])
+            for qo, kv, indices, last in levels
+        ]
+        words, counts, slots, chunk, needs_merge = _C.plan_attention(
+            plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, self._cta_budget,
+            self._min_chunk, item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
+        self._workspace[: 4 * words].view(torch.int32).copy_(payload[:words], non_blocking=True)
+        if self._use_cuda_graph:  # the captured launch must not depend on the plan
+            grid = [self._cta_budget if k in possible_kinds else 0 for k in range(3)] + [1]
+        else:
+            grid = [min(c, 1 << 20) for c in counts] + [int(needs_merge)]
+        self._plan_info = {
+            "batch": batch, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+            "page_size": page_size, "dtype": q_dtype, "sm_scale": sm_scale, "grid": grid, "max_page": max_page,
+            "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk,
+        }
+
+    def _run(self, op, q, paged_kv_cache, out, lse):
+        info = self._plan_info
+        if info is None:
+            raise RuntimeError(f"{op}: call plan() before run()")
+        check_tensor(op, "q", q)
+        expected = (info["batch"], info["num_qo_heads"], info["head_dim"])
+        if tuple(q.shape) != expected:
+            raise ValueError(f"{op}: q must have the planned shape {expected}, got {tuple(q.shape)}")
+        if q.dtype != info["dtype"]:
+            raise TypeError(f"{op}: q must have the planned q_data_type {info['dtype']}, got {q.dtype}")
+        if q.device != self._device:
+            raise ValueError(f"{op}: q is on {q.device} but the workspace is on {self._device}")
+        k, v = kv_cache_views(op, paged_kv_cache, self._kv_layout)
+        planned = (info["page_size"], info["num_kv_heads"], info["head_dim"])
+        if tuple(k.shape[1:]) != planned:
+            raise ValueError(f"{op}: paged_kv_cache has (page_size, num_kv_heads, head_dim) = {tuple(k.shape[1:])}, "
+                             f"the plan has {planned} ({self._kv_layout} layout)")
+        if k.dtype != q.dtype:
+            raise TypeError(f"{op}: paged_kv_cache must have q's dtype {q.dtype}, got {k.dtype}")
+        if info["max_page"] >= k.shape[0]:
+            raise ValueError(f"{op}: the page tables hold page index {info['max_page']}, but paged_kv_cache has "
+                             f"{k.shape[0]} pages")
+        self._num_pages = k.shape[0]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
+        if _backend.use_reference(q.device):
+            check_batch_attention(op, q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], info["sm_scale"])
+            o, s = _reference(q, k, v, info["kv_indices"], self._workspace, info["sm_scale"])
+            out.copy_(o)
+            lse.copy_(s)
+        else:
+            _ops.batch_attention(q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], info["sm_scale"])
+        return out, lse
+
+
+def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale):
+    """ref.batch_attention on the plan and the partial-state buffers of a workspace."""
+    batch, heads, head_dim = q.shape
+    int_words, _, slots, s_at, v_at = _C.workspace_layout(workspace.numel(), batch, heads, head_dim)
+    partial_s = workspace[s_at : s_at + 4 * slots * heads].view(torch.float32).view(slots, heads)
+    partial_v = workspace[v_at : v_at + 4 * slots * heads * head_dim].view(torch.float32).view(slots, heads, head_dim)
+    words = workspace[: 4 * int_words].view(torch.int32)
+    return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale)
+
+
+# ---- CPU: the reference, with the same checks as the kernels ----
+
+
+@torch.library.impl("flashkern::batch_attention", "cpu")
+def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
+    check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale)
+    o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale)
+    out.copy_(o)
+    lse.copy_(s)
+
+
+# ---- fake function ----
+
+
+@torch.library.register_fake("flashkern::batch_attention")
+def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
+    check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale)

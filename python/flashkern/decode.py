@@ -1,0 +1,183 @@
+"""Decode attention over a KV cache: one query token per request, grouped-query attention (any
+group size), natural-log LSE. FlashInfer's names and layouts (flashinfer.decode), so switching is
+an import. The kernels: csrc/include/flashkern/kernels/batch_attention.cuh.
+"""
+
+import functools
+
+import torch
+
+from ._paged_attention import (
+    DECODE_MAX_GROUP,
+    KIND_DECODE,
+    KIND_TILE16,
+    KIND_TILE64,
+    PagedAttention,
+    attention_dtype,
+    check_kv_layout,
+    host_int32,
+    reject_unsupported,
+)
+from ._validate import check_tensor
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Batch decode over a paged KV cache.
+
+    ``plan()`` once per batch (page tables, head counts, dtypes), then ``run()`` in every layer::
+
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+        wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)
+        out, lse = wrapper.run(q, paged_kv_cache, return_lse=True)
+
+    The page table is in CSR form, int32: request b's pages are
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, its last page holds ``kv_last_page_len[b]`` tokens
+    (1..page_size; 0 for a request without pages, whose output is 0 and LSE -inf). Pass them as CPU
+    tensors: device tensors cost plan() one synchronization. ``paged_kv_cache`` is
+    ``[pages, 2, page_size, num_kv_heads, head_dim]`` (NHD), ``[pages, 2, num_kv_heads, page_size,
+    head_dim]`` (HND) or a ``(k_cache, v_cache)`` tuple of 4-D tensors.
+
+    ``use_cuda_graph=True`` with fixed ``paged_kv_indptr_buffer``, ``paged_kv_indices_buffer`` and
+    ``paged_kv_last_page_len_buffer`` (int32, on the workspace's device): plan() copies the page
+    tables into them and run() can be captured; a replay after a new plan() computes the new batch.
+    ``use_tensor_cores`` and ``backend`` are accepted for compatibility: flashkern picks tensor
+    cores by itself for GQA groups above 4.
+    """
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto"):
+        op = "BatchDecodeWithPagedKVCacheWrapper"
+        self._core = PagedAttention(op, float_workspace_buffer, kv_layout, use_cuda_graph)
+        self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        if use_cuda_graph:
+            names = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")
+            for name, buffer in zip(names, self._buffers):
+                if buffer is None:
+                    raise ValueError(f"{op}: use_cuda_graph=True needs {name} (a fixed int32 buffer)")
+                _check_buffer(op, name, buffer, float_workspace_buffer.device)
+            if paged_kv_last_page_len_buffer.shape[0] != paged_kv_indptr_buffer.shape[0] - 1:
+                raise ValueError(f"{op}: paged_kv_last_page_len_buffer must have one entry less than paged_kv_indptr_buffer")
+
+    @property
+    def is_cuda_graph_enabled(self):
+        return self._core.is_cuda_graph_enabled
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True):
+        """Plan decode for a batch of ``len(indptr) - 1`` requests (see the class docstring).
+        All host work happens here; a bad page table raises ValueError or TypeError now, not in run()."""
+        op = "BatchDecodeWithPagedKVCacheWrapper.plan"
+        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
+        q_dtype = attention_dtype(op, "q_data_type", data_type if data_type is not None else q_data_type)
+        kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
+        check_tensor(op, "indptr", indptr)
+        if indptr.dim() != 1 or indptr.shape[0] < 1:
+            raise ValueError(f"{op}: indptr must be 1-D with batch_size + 1 entries, got shape {tuple(indptr.shape)}")
+        batch = indptr.shape[0] - 1
+        indptr_h = host_int32(op, "indptr", indptr)
+        last_h = host_int32(op, "last_page_len", last_page_len, batch)
+        indices_h = host_int32(op, "indices", indices)
+        indices_d = self._device_indices(op, indices, indptr, last_page_len, batch)
+        self._core._plan(op, [(None, indptr_h, indices_h, last_h)], [indices_d], batch, num_qo_heads, num_kv_heads,
+                         head_dim, page_size, sm_scale, q_dtype, kv_dtype,
+                         ("qo_indptr", "indptr", "indices", "last_page_len"), False,
+                         {_decode_kind(num_qo_heads, num_kv_heads)})
+
+    begin_forward = plan
+
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None, window_left=None):
+        """Decode: q ``[batch, num_qo_heads, head_dim]`` -> out ``[batch, num_qo_heads, head_dim]``
+        (q's dtype), and with ``return_lse`` also lse ``[batch, num_qo_heads]`` float32, the
+        natural-log sum-exp of the scaled logits. ``out`` / ``lse`` may be given (contiguous)."""
+        op = "BatchDecodeWithPagedKVCacheWrapper.run"
+        reject_unsupported(op, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        out, lse = self._core._run(op, q, paged_kv_cache, out, lse)
+        return (out, lse) if return_lse else out
+
+    forward = run
+
+    def _device_indices(self, op, indices, indptr, last_page_len, batch):
+        """kv_indices where the kernels read them: the fixed buffer under CUDA graphs (filled here)."""
+        device = self._core._device
+        if not self._core.is_cuda_graph_enabled:
+            return indices.to(device)
+        indptr_buf, indices_buf, last_buf = self._buffers
+        if indptr_buf.shape[0] != batch + 1:
+            raise ValueError(f"{op}: under CUDA graphs the batch size is fixed at {indptr_buf.shape[0] - 1} "
+                             f"(paged_kv_indptr_buffer), got {batch}")
+        if indices.shape[0] > indices_buf.shape[0]:
+            raise ValueError(f"{op}: {indices.shape[0]} page indices do not fit paged_kv_indices_buffer "
+                             f"({indices_buf.shape[0]})")
+        indptr_buf.copy_(indptr, non_blocking=True)
+        last_buf.copy_(last_page_len, non_blocking=True)
+        indices_buf[: indices.shape[0]].copy_(indices, non_blocking=True)
+        return indices_buf
+
+
+def _check_buffer(op, name, buffer, device):
+    check_tensor(op, name, buffer)
+    if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.device != device or not buffer.is_contiguous():
+        raise ValueError(f"{op}: {name} must be a contiguous 1-D int32 tensor on {device}")
+
+
+def _decode_kind(num_qo_heads, num_kv_heads):
+    """The kernel that a decode batch with this GQA group runs (attention_plan.h picks the same)."""
+    group = num_qo_heads // max(num_kv_heads, 1)
+    return KIND_DECODE if group <= DECODE_MAX_GROUP else KIND_TILE16 if group <= 16 else KIND_TILE64
+
+
+def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
+                                q_scale=None, k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None,
+                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False):
+    """Decode attention of one request: q ``[num_qo_heads, head_dim]``, k and v ``[kv_len,
+    num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND) -> out
+    ``[num_qo_heads, head_dim]`` (and lse ``[num_qo_heads]``, natural log, with ``return_lse``).
+
+    The plan for a shape is made once and kept (a few per device), so after one eager call with a
+    shape, calls with that shape can be captured in a CUDA graph."""
+    op = "single_decode_with_kv_cache"
+    reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    check_kv_layout(op, kv_layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t)
+    if q.dim() != 2:
+        raise ValueError(f"{op}: q must be 2-D [num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"{op}: k and v must be 3-D of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    kv_len, num_kv_heads, head_dim = k.shape
+    if kv_len == 0:
+        raise ValueError(f"{op}: k and v must hold at least one token")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: k and v must have q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{op}: k and v must be on q's device {q.device}, got {k.device} and {v.device}")
+    wrapper = _single_plan(q.device, q.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
+                           None if sm_scale is None else float(sm_scale))
+    # the whole sequence as one page of kv_len tokens
+    out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+@functools.lru_cache(maxsize=32)
+def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale):
+    """A planned wrapper for one request of kv_len tokens, with room to split it over every block
+    the device runs at once."""
+    budget = PagedAttention.cta_budget(device)
+    slots = budget + 1
+    workspace = torch.empty(slots * (4 * max(num_qo_heads, 1) * (head_dim + 1) + 68) + 4096, dtype=torch.uint8,
+                            device=device)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    wrapper.plan(i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads, head_dim, kv_len,
+                 q_data_type=dtype, sm_scale=sm_scale)
+    return wrapper

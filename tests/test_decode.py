@@ -1,0 +1,289 @@
+"""Decode attention: BatchDecodeWithPagedKVCacheWrapper and single_decode_with_kv_cache against
+attention computed from scratch in float64, on every device (the CPU runs the plan through the
+reference, a GPU through the kernels). Page sizes, layouts, GQA groups (any size), head dims,
+lengths from 1 to 128K, empty requests, split and unsplit KV; NaN in every unused cache slot and
+in the outputs before the run; argument checks in plan() and run(); opcheck, torch.compile and
+(GPU) CUDA graph capture and replay after a new plan."""
+
+import pytest
+import torch
+from conftest import assert_close, poisoned, rand, requires_gpu
+from paged_kv import attention, i32, paged, random_kv, rounded
+from torch.library import opcheck
+
+import flashkern
+from flashkern import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from flashkern.tolerances import tolerance
+
+DTYPES = [torch.float16, torch.bfloat16]
+LENGTHS = [1, 17, 37, 0, 4097]  # odd lengths, an empty request, a long one that is split
+
+
+def workspace(device, mib=32):
+    return torch.empty(mib << 20, dtype=torch.uint8, device=device)
+
+
+def check(out, lse, expected, dtype):
+    assert_close(out, torch.stack([o for o, _ in expected]), dtype)
+    torch.testing.assert_close(lse.double().cpu(), torch.stack([s for _, s in expected]), **tolerance(torch.float32))
+
+
+def decode(device, lengths, page_size, kv_heads, group, head_dim, dtype, kv_layout="NHD", seed=0, tuple_cache=False,
+           min_chunk=None):
+    """Plans and runs one batch, checks it against float64 attention; returns the wrapper."""
+    kvs = random_kv(lengths, kv_heads, head_dim, seed)
+    cache, indptr, indices, last = paged(kvs, page_size, kv_layout, dtype, device, seed=seed)
+    q = rand((len(lengths), kv_heads * group, head_dim), dtype, device, seed=seed + 100)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device), kv_layout)
+    if min_chunk is not None:
+        wrapper._core._min_chunk = min_chunk
+    wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
+    out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
+    kv = (cache[:, 0], cache[:, 1]) if tuple_cache else cache
+    result = wrapper.run(q, kv, out=out, lse=lse, return_lse=True)
+    assert result[0] is out and result[1] is lse
+    check(out, lse, [attention(q[b], k, v) for b, (k, v) in enumerate(rounded(kvs, dtype))], dtype)
+    return wrapper
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_decode(device, page_size, group, dtype):
+    wrapper = decode(device, LENGTHS, page_size, 2, group, 128, dtype)
+    assert wrapper._core._plan_info["chunk"] < 4097  # the long request was split and merged
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("group", [4, 8])  # the decode kernel, the 16-row multi-query kernel
+@pytest.mark.parametrize("tuple_cache", [False, True])
+def test_head_dims_and_layouts(device, head_dim, kv_layout, group, tuple_cache):
+    decode(device, [33, 300, 1], 16, 2, group, head_dim, torch.bfloat16, kv_layout, seed=3, tuple_cache=tuple_cache,
+           min_chunk=64)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(1, 32), (2, 24), (1, 7)])  # MQA, 64-row tiles, odd groups
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_groups_and_mqa(device, kv_heads, group, dtype):
+    decode(device, [5, 130, 64], 16, kv_heads, group, 64, dtype, seed=4, min_chunk=64)
+
+
+def test_unsplit_batch(device):
+    wrapper = decode(device, [40, 3, 77], 16, 2, 4, 128, torch.float16, seed=5, min_chunk=1 << 20)
+    info = wrapper._core._plan_info
+    assert info["counts"] == (3, 0, 0) and info["grid"][3] == 0  # one item per request, nothing to merge
+
+
+def test_very_different_lengths_and_long_sequence(device):
+    """A 128K-token request beside 1-token ones."""
+    decode(device, [131073, 1, 2, 1000], 128, 1, 4, 64, torch.bfloat16, seed=6)
+
+
+def test_all_requests_empty(device):
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    wrapper.plan(i32([0, 0, 0]), i32([]), i32([0, 0]), 8, 2, 64, 16, q_data_type=torch.float16)
+    cache = torch.full((4, 2, 16, 2, 64), float("nan"), dtype=torch.float16, device=device)
+    out, lse = wrapper.run(rand((2, 8, 64), torch.float16, device), cache, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_replan_changes_the_answer(device):
+    """One wrapper, two batches: the second plan fully replaces the first."""
+    kv_heads, group, head_dim = 2, 4, 64
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    for seed, lengths in ((10, [100, 7]), (11, [3, 600, 20])):
+        kvs = random_kv(lengths, kv_heads, head_dim, seed)
+        cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.float16, device, seed=seed)
+        q = rand((len(lengths), kv_heads * group, head_dim), torch.float16, device, seed=seed)
+        wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, 16, q_data_type="float16")
+        out, lse = wrapper.run(q, cache, return_lse=True)
+        check(out, lse, [attention(q[b], k, v) for b, (k, v) in enumerate(rounded(kvs, torch.float16))], torch.float16)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("length", [1, 37, 4097])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_decode(device, kv_layout, length, dtype):
+    (k, v), = rounded(random_kv([length], 2, 128, seed=7), dtype)
+    q = rand((8, 128), dtype, device, seed=8)
+    kk, vv = (k, v) if kv_layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    out, lse = single_decode_with_kv_cache(q, kk.to(device, dtype), vv.to(device, dtype), kv_layout, return_lse=True,
+                                           sm_scale=0.1)
+    eo, e_lse = attention(q, k, v, sm_scale=0.1)
+    assert_close(out, eo, dtype)
+    torch.testing.assert_close(lse.double().cpu(), e_lse, **tolerance(torch.float32))
+    assert_close(single_decode_with_kv_cache(q, kk.to(device, dtype), vv.to(device, dtype), kv_layout, sm_scale=0.1),
+                 eo, dtype)
+
+
+def test_lse_is_natural_log(device):
+    (k, v), = random_kv([50], 1, 64, seed=9)
+    q = rand((1, 64), torch.float16, device, seed=9)
+    _, lse = single_decode_with_kv_cache(q, k.to(device, torch.float16), v.to(device, torch.float16), return_lse=True)
+    logits = (q.double().cpu() @ k[:, 0].to(torch.float16).double().T) / 8.0
+    torch.testing.assert_close(lse.double().cpu(), torch.log(torch.exp(logits).sum(-1)), **tolerance(torch.float32))
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def planned(device, dtype=torch.float16):
+    kvs = random_kv([20, 5], 2, 64, seed=12)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, device, seed=12)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device, 4))
+    wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=dtype)
+    return wrapper, cache, (indptr, indices, last), rand((2, 8, 64), dtype, device, seed=13)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: {**a, "indices": a["indices"].long()}, TypeError, "indices must be int32"),
+    (lambda a: {**a, "indptr": a["indptr"].long()}, TypeError, "indptr must be int32"),
+    (lambda a: {**a, "indptr": a["indptr"][None]}, ValueError, "indptr must be 1-D"),
+    (lambda a: {**a, "last_page_len": a["last_page_len"][:1]}, ValueError, "last_page_len must have 2 entries"),
+    (lambda a: {**a, "indptr": i32([0, 2, 1])}, ValueError, "indptr must be non-decreasing"),
+    (lambda a: {**a, "indptr": i32([0, 2, 9])}, ValueError, "points past the 3 entries of indices"),
+    (lambda a: {**a, "last_page_len": i32([0, 5])}, ValueError, r"last_page_len\[0\] must be in \[1, page_size=16\]"),
+    (lambda a: {**a, "last_page_len": i32([17, 5])}, ValueError, r"last_page_len\[0\] must be in \[1, page_size=16\]"),
+    (lambda a: {**a, "indices": i32([0, -1, 2])}, ValueError, "negative page index"),
+    (lambda a: {**a, "head_dim": 96}, ValueError, "head_dim must be 64, 128 or 256"),
+    (lambda a: {**a, "num_qo_heads": 7}, ValueError, "must be a multiple of num_kv_heads"),
+    (lambda a: {**a, "q_data_type": torch.float32}, TypeError, "q_data_type must be torch.float16 or torch.bfloat16"),
+    (lambda a: {**a, "kv_data_type": torch.bfloat16}, TypeError, "kv_data_type must equal q_data_type"),
+    (lambda a: {**a, "page_size": 0}, ValueError, "page_size must be a positive int"),
+    (lambda a: {**a, "pos_encoding_mode": "ROPE_LLAMA"}, ValueError, "pos_encoding_mode='ROPE_LLAMA' is not supported"),
+    (lambda a: {**a, "logits_soft_cap": 30.0}, ValueError, "logits_soft_cap=30.0 is not supported"),
+])
+def test_plan_rejects_bad_page_tables(device, change, error, match):
+    args = {"indptr": i32([0, 2, 3]), "indices": i32([0, 1, 2]), "last_page_len": i32([4, 5]), "num_qo_heads": 8,
+            "num_kv_heads": 2, "head_dim": 64, "page_size": 16, "q_data_type": torch.float16}
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device, 4))
+    with pytest.raises(error, match=match):
+        wrapper.plan(**change(args))
+
+
+def test_last_page_len_of_a_request_without_pages(device):
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device, 4))
+    with pytest.raises(ValueError, match=r"last_page_len\[1\] must be 0 for a request without pages, got 3"):
+        wrapper.plan(i32([0, 1, 1]), i32([0]), i32([4, 3]), 8, 2, 64, 16)
+
+
+def test_run_checks_shapes_against_the_plan(device):
+    wrapper, cache, _, q = planned(device)
+    with pytest.raises(ValueError, match="q must have the planned shape"):
+        wrapper.run(q[:, :4], cache)
+    with pytest.raises(TypeError, match="planned q_data_type"):
+        wrapper.run(q.bfloat16(), cache.bfloat16())
+    with pytest.raises(ValueError, match=r"\(page_size, num_kv_heads, head_dim\) = \(16, 2, 32\)"):
+        wrapper.run(q, cache[..., :32])
+    with pytest.raises(ValueError, match="paged_kv_cache must be 5-D"):
+        wrapper.run(q, cache[:, 0])
+    with pytest.raises(ValueError, match="paged_kv_cache has 2 pages"):  # the plan uses page 2
+        wrapper.run(q, cache[:2])
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        wrapper.run(q, cache, out=torch.empty_like(q).transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="call plan"):
+        BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1)).run(q, cache)
+
+
+def test_workspace_checks(device):
+    with pytest.raises(ValueError, match="workspace_buffer must be a contiguous 1-D uint8"):
+        BatchDecodeWithPagedKVCacheWrapper(torch.empty(100, dtype=torch.float32, device=device))
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(2048, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="workspace is too small"):
+        wrapper.plan(i32([0, 1, 2]), i32([0, 1]), i32([3, 3]), 32, 8, 128, 16)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):
+        BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1), use_cuda_graph=True)
+
+
+def test_single_decode_checks(device):
+    q, k = rand((8, 64), torch.float16, device), rand((9, 2, 64), torch.float16, device)
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16"):
+        single_decode_with_kv_cache(q.float(), k.float(), k.float())
+    with pytest.raises(TypeError, match="k and v must have q's dtype"):
+        single_decode_with_kv_cache(q, k.bfloat16(), k.bfloat16())
+    with pytest.raises(ValueError, match="q must be 2-D"):
+        single_decode_with_kv_cache(q[None], k, k)
+    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
+        single_decode_with_kv_cache(q[:, :48], k[..., :48], k[..., :48])
+    with pytest.raises(ValueError, match="kv_layout must be 'NHD' or 'HND'"):
+        single_decode_with_kv_cache(q, k, k, kv_layout="NDH")
+
+
+# ---------------------------------------------------------------- PyTorch integration
+
+
+def test_opcheck(device):
+    wrapper, cache, _, q = planned(device)
+    info = wrapper._core._plan_info
+    k, v = cache[:, 0], cache[:, 1]
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=device)
+    opcheck(torch.ops.flashkern.batch_attention.default,
+            (q, k, v, info["kv_indices"], wrapper._core._workspace, out, lse, info["grid"], info["sm_scale"]))
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    wrapper, cache, _, q = planned(device)
+    expected = wrapper.run(q, cache)
+    compiled = torch.compile(lambda q, cache: wrapper.run(q, cache, return_lse=True), fullgraph=True, backend="aot_eager")
+    out, lse = compiled(q, cache)
+    torch.testing.assert_close(out, expected)
+    assert torch.isfinite(lse).all()
+
+
+@requires_gpu
+@pytest.mark.parametrize("group", [4, 8])
+def test_cuda_graph_replay_after_replan(group):
+    """Capture run() once; every later plan() with other lengths is what a replay computes."""
+    kv_heads, head_dim, page_size, batch = 2, 128, 16, 3
+    kv_indptr_buf = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+    kv_indices_buf = torch.empty(4096, dtype=torch.int32, device="cuda")
+    last_buf = torch.empty(batch, dtype=torch.int32, device="cuda")
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace("cuda"), use_cuda_graph=True,
+                                                 paged_kv_indptr_buffer=kv_indptr_buf,
+                                                 paged_kv_indices_buffer=kv_indices_buf,
+                                                 paged_kv_last_page_len_buffer=last_buf)
+    cache = torch.randn(600, 2, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    q = rand((batch, kv_heads * group, head_dim), torch.bfloat16, "cuda")
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device="cuda")
+
+    def plan(lengths, seed):
+        g = torch.Generator().manual_seed(seed)
+        pages = [-(-n // page_size) for n in lengths]
+        indices = torch.randperm(600, generator=g)[: sum(pages)].int()
+        indptr = i32([0] + torch.tensor(pages).cumsum(0).tolist())
+        last = i32([n - (p - 1) * page_size for n, p in zip(lengths, pages)])
+        wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size,
+                     q_data_type=torch.bfloat16)
+        return indptr, indices, last
+
+    def expected(indptr, indices, last):
+        return flashkern.ref.batch_decode(q.double(), cache.double(), indptr, indices, last)
+
+    plan([100, 3000, 17], 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wrapper.run(q, cache, out=out, lse=lse)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, cache, out=out, lse=lse)
+    for lengths, seed in (([100, 3000, 17], 0), ([5000, 1, 640], 1), ([33, 34, 35], 2)):
+        tables = plan(lengths, seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eo, e_lse = expected(*tables)
+        assert_close(out, eo, torch.bfloat16)
+        torch.testing.assert_close(lse.double().cpu(), e_lse.cpu(), **tolerance(torch.float32))
+
+
+@requires_gpu
+def test_misaligned_cache_is_rejected():
+    wrapper, cache, _, q = planned("cuda")
+    flat = torch.empty(cache.numel() + 1, dtype=cache.dtype, device="cuda")[1:].view(cache.shape)
+    flat.copy_(cache)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        wrapper.run(q, flat)
