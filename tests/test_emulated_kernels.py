@@ -31,6 +31,8 @@ def build(tmp_path_factory, backend):
         pytest.skip("no g++")
     out = tmp_path_factory.mktemp(f"emu-{backend}")
     flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-DFK_EMULATE", f"-I{ROOT / 'csrc' / 'include'}"]
+    if backend == "hip":
+        flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
     pattern = "*.cu" if backend == "cuda" else "*.hip"
     sources = sorted((ROOT / "csrc" / backend).glob(pattern)) + [ROOT / "tests" / "emu" / "emu_ops.cpp"]
 
@@ -52,6 +54,8 @@ def build(tmp_path_factory, backend):
         "emu_act_mul_backward": [P, P, P, P, P, L, L, L, I, I],
         "emu_rope": [P, P, P, P, P, I, P, P, L, L, I, I, I, I, I64, I, I, I, I],
         "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
+        "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, I, P, P, P, ctypes.POINTER(ctypes.c_int), I, I, I, I, I,
+                                F, I],
     }
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
@@ -272,3 +276,136 @@ def test_merge_states_kernel_in_place_with_mask(emu):
     assert_close(v[mask], ev[mask], torch.float16)
     torch.testing.assert_close(s[mask].double(), es[mask], atol=1e-5, rtol=1e-5)
     assert torch.equal(v[~mask], v0[~mask]) and torch.equal(s[~mask], s0[~mask])
+
+
+# ---------------------------------------------------------------- batch attention (decode, multi-query, merge)
+# The planner's real plans (the wrappers' plan() on CPU tensors) run through the kernels; the
+# three builds cover the three warp tiles: CUDA (mma.sync + ldmatrix), HIP wave64 (MFMA), HIP
+# wave32 (plain arithmetic, 8-row warps).
+
+
+@pytest.fixture(scope="module")
+def emu_wave32(tmp_path_factory):
+    """The HIP launchers on an emulated wave32 (RDNA) device."""
+    lib = build(tmp_path_factory, "hip")
+    lib.emu_set_warp_size(32)
+    return lib
+
+
+@pytest.fixture(params=["cuda", "hip-wave64", "hip-wave32"])
+def attention_lib(request):
+    return request.getfixturevalue({"cuda": "emu", "hip-wave64": "emu_wave64", "hip-wave32": "emu_wave32"}[request.param])
+
+
+def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None):
+    """The kernels on the wrapper's plan: (out, lse), both NaN before the launch."""
+    from flashkern._paged_attention import kv_cache_views
+
+    core, info = wrapper._core, wrapper._core._plan_info
+    k, v = kv_cache_views("emu", paged_kv_cache, core._kv_layout)
+    out, lse = nan_like(q), torch.full(q.shape[:2], float("nan"))
+    ws = core._workspace
+    _, _, _, s_at, v_at = flashkern_C().workspace_layout(ws.numel(), q.shape[0], q.shape[1], q.shape[2])
+    indices = kv_indices if kv_indices is not None else info["kv_indices"]
+    pointers = (ctypes.c_void_p * len(indices))(*[t.data_ptr() for t in indices])
+    grid = (ctypes.c_int * 4)(*(grid or info["grid"]))
+    base = ws.data_ptr()
+    ok(lib.emu_batch_attention(ptr(out), ptr(lse), ptr(q), i64s(*q.stride()[:2]), ptr(k), ptr(v),
+                               i64s(*k.stride()[:3], *v.stride()[:3]), k.shape[0], pointers, len(indices),
+                               ctypes.c_void_p(base), ctypes.c_void_p(base + s_at), ctypes.c_void_p(base + v_at), grid,
+                               q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.shape[1],
+                               ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype]))
+    return out, lse
+
+
+def flashkern_C():
+    from flashkern import _C
+
+    return _C
+
+
+def check_attention(out, lse, expected_o, expected_lse, dtype):
+    assert_close(out, expected_o, dtype)
+    torch.testing.assert_close(lse.double(), expected_lse.double(), atol=1e-5, rtol=1e-5)
+
+
+def decode_plan(lengths, page_size, kv_heads, group, head_dim, dtype, kv_layout="NHD", seed=0, min_chunk=64):
+    from paged_kv import paged, random_kv
+
+    import flashkern
+
+    cache, indptr, indices, last = paged(random_kv(lengths, kv_heads, head_dim, seed), page_size, kv_layout, dtype,
+                                         seed=seed)
+    q = rand((len(lengths), kv_heads * group, head_dim), dtype, "cpu", seed=seed + 1)
+    wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8), kv_layout)
+    wrapper._core._min_chunk = min_chunk
+    wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
+    expected = ref.batch_decode(q.double(), cache.double(), indptr, indices, last, kv_layout)
+    return wrapper, q, cache, expected
+
+
+# (group, head_dim, page_size, dtype): every decode group, the 16-row tile (5..16 heads), the 64-row tile
+ATTENTION_CASES = [
+    (1, 64, 16, torch.float16), (2, 128, 1, torch.bfloat16), (3, 256, 16, torch.float16), (4, 128, 128, torch.bfloat16),
+    (5, 128, 16, torch.float16), (8, 64, 1, torch.bfloat16), (16, 256, 16, torch.bfloat16), (7, 128, 128, torch.float16),
+    (24, 128, 16, torch.bfloat16), (32, 64, 16, torch.float16), (32, 256, 3, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,dtype", ATTENTION_CASES)
+def test_batch_attention_kernels(attention_lib, group, head_dim, page_size, dtype):
+    """Odd lengths, an empty request and one split into chunks that the merge kernel combines."""
+    wrapper, q, cache, (eo, e_lse) = decode_plan([1, 37, 0, 300], page_size, 2, group, head_dim, dtype)
+    assert wrapper._core._plan_info["grid"][3] == 1  # something to merge
+    check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, dtype)
+
+
+@pytest.mark.parametrize("kv_layout,tuple_cache", [("HND", False), ("NHD", True)])
+def test_batch_attention_kernels_layouts(emu, kv_layout, tuple_cache):
+    for group in (4, 8):
+        wrapper, q, cache, (eo, e_lse) = decode_plan([20, 129], 16, 2, group, 128, torch.float16, kv_layout, seed=3)
+        kv = (cache[:, 0], cache[:, 1]) if tuple_cache else cache
+        check_attention(*run_attention(emu, wrapper, q, kv), eo, e_lse, torch.float16)
+
+
+def test_batch_attention_kernels_loop_over_items(attention_lib):
+    """A fixed grid smaller than the plan (what a captured graph launches): blocks loop over items."""
+    for group in (2, 5, 32):
+        wrapper, q, cache, (eo, e_lse) = decode_plan([70, 1, 200, 9, 150], 16, 1, group, 64, torch.bfloat16, seed=4)
+        counts = wrapper._core._plan_info["counts"]
+        assert max(counts) > 2
+        check_attention(*run_attention(attention_lib, wrapper, q, cache, grid=[2 if c else 0 for c in counts] + [1]),
+                        eo, e_lse, torch.bfloat16)
+
+
+def test_batch_attention_kernels_page_outside_the_cache(attention_lib):
+    """A stale plan naming a page the cache does not have: that request's output is NaN, the others are right."""
+    for group in (4, 8, 32):
+        wrapper, q, cache, (eo, e_lse) = decode_plan([40, 40, 40], 16, 1, group, 64, torch.float16, seed=5)
+        bad = wrapper._core._plan_info["kv_indices"][0].clone()
+        bad[3] = cache.shape[0] + 5  # request 1's second page (pages 0-2 are request 0's)
+        out, lse = run_attention(attention_lib, wrapper, q, cache, kv_indices=[bad])
+        assert out[1].isnan().all() and lse[1].isnan().all()
+        keep = torch.tensor([0, 2])
+        check_attention(out[keep], lse[keep], eo[keep], e_lse[keep], torch.float16)
+
+
+@pytest.mark.parametrize("group", [1, 5])
+def test_cascade_kernels(attention_lib, group):
+    """A 300-token prefix shared by 20 requests (rows straddle 64-row tiles for group 5) and their suffixes."""
+    from paged_kv import i32, paged, random_kv
+
+    import flashkern
+
+    batch, kv_heads, head_dim = 20, 2, 128
+    suffixes = [(7 * b) % 41 for b in range(batch)]  # some empty
+    kvs = random_kv([300] + suffixes, kv_heads, head_dim, seed=6)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.bfloat16, seed=6)
+    levels = ([i32([0, batch]), i32(list(range(batch + 1)))], [indptr[:2], indptr[1:] - indptr[1]],
+              [indices[: indptr[1]], indices[indptr[1] :]], [last[:1], last[1:]])
+    q = rand((batch, kv_heads * group, head_dim), torch.bfloat16, "cpu", seed=7)
+    wrapper = flashkern.MultiLevelCascadeAttentionWrapper(2, torch.zeros(16 << 20, dtype=torch.uint8))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(*levels, kv_heads * group, kv_heads, head_dim, 16, q_data_type=torch.bfloat16)
+    eo, e_lse = ref.cascade_decode(q.double(), cache.double(), *levels)
+    check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, torch.bfloat16)

@@ -20,9 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc" if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 HIPCC = shutil.which("hipcc")
-SOURCES = ["rmsnorm", "act_and_mul", "rope", "merge_states"]
+ROW_SOURCES = ["rmsnorm", "act_and_mul", "rope", "merge_states"]  # one template argument is the vector width
+SOURCES = ROW_SOURCES + ["batch_attention"]
 FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel", "act_and_mul_kernel",
-            "act_and_mul_backward_kernel", "rope_kernel", "merge_states_kernel"]
+            "act_and_mul_backward_kernel", "rope_kernel", "merge_states_kernel", "decode_attention_kernel",
+            "multi_query_attention_kernel", "merge_partials_kernel"]
 CMAKE = shutil.which("cmake")
 NINJA = shutil.which("ninja")
 
@@ -100,19 +102,53 @@ def ptx_entries(ptx):
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("arch", ["80", "90"])
-def test_cuda_ptx_has_16_byte_global_loads(cuda_build, source, arch):
-    build, _ = cuda_build
+def ptx_of(build, source, arch):
     ptx_files = list(build.glob(f"CMakeFiles/flashkern_ptx_{arch}.dir/**/{source}.ptx"))
     assert ptx_files, f"no PTX for {source} sm_{arch}"
     entries = ptx_entries(ptx_files[0].read_text())
-    names = demangle(sorted(entries))
+    return entries, demangle(sorted(entries))
+
+
+@pytest.mark.parametrize("source", ROW_SOURCES)
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_cuda_ptx_has_16_byte_global_loads(cuda_build, source, arch):
+    build, _ = cuda_build
+    entries, names = ptx_of(build, source, arch)
     wide = {m: b for m, b in entries.items() if "reduce" not in names[m] and _is_wide(names[m])}
     assert wide, f"no 16-byte-vector instantiations found in {sorted(names.values())}"
     for mangled, body in wide.items():
         assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{names[mangled]}: no 16-byte global load"
         assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{names[mangled]}: no 16-byte global store"
+
+
+ATTENTION_PTX = {  # what each attention kernel must contain: 16-byte copies and loads, the matrix instructions
+    "decode_attention_kernel": [r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16", r"ld\.global(\.nc)?\.v4\.u32",
+                                r"st\.global(\.wb)?\.v4"],
+    "multi_query_attention_kernel": [r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16",
+                                     r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16",
+                                     r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16",
+                                     r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16\.bf16|f16\.f16)\.f32",
+                                     r"cp\.async\.wait_group"],
+    "merge_partials_kernel": [r"ld\.global(\.nc)?\.v4\.f32", r"st\.global(\.wb)?\.v4"],
+}
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_cuda_attention_ptx(cuda_build, arch):
+    """cp.async 16-byte K/V copies and 16-byte q loads in the decode kernel; ldmatrix (plain and
+    transposed), mma.sync m16n8k16 and cp.async in the multi-query kernel; 16-byte accesses in the merge."""
+    build, _ = cuda_build
+    entries, names = ptx_of(build, "batch_attention", arch)
+    for family, patterns in ATTENTION_PTX.items():
+        bodies = {names[m]: b for m, b in entries.items() if f"fk::{family}<" in names[m]}
+        assert bodies, f"no {family} in the PTX"
+        for name, body in bodies.items():
+            for pattern in patterns:
+                assert re.search(pattern, body), f"{name}: no {pattern}"
+            if "bf16_t" in name and family == "multi_query_attention_kernel":
+                assert ".bf16.bf16" in body, name
+            if ", 16, 32>" in name:  # 16-row tiles store merged rows 16 bytes at a time (64-row ones in pairs)
+                assert re.search(r"st\.global(\.wb)?\.v4", body), name
 
 
 def _is_wide(name):
@@ -174,6 +210,28 @@ def test_hip_kernels_carry_code_only_for_their_own_wavefront(hip_build):
         of_width = [v for name, v in rms if f"ILi{width}E" in name]
         # once per target: real on one, a stub on the other
         assert len(of_width) % 2 == 0 and sum(v == 0 for v in of_width) == len(of_width) // 2, (width, of_width)
+
+
+def test_hip_multi_query_kernel_uses_mfma_on_cdna_only(tmp_path):
+    """The device assembly: MFMA (f16 and bf16) in the wave64 multi-query kernels for gfx90a; none for
+    gfx1030, whose kernels are plain arithmetic."""
+    if not HIPCC:
+        pytest.skip("hipcc not installed")
+    asm = {}
+    for arch in ("gfx90a", "gfx1030"):
+        out = tmp_path / f"{arch}.s"
+        done = subprocess.run(
+            [HIPCC, "-std=c++17", "-O3", "-S", "--cuda-device-only", f"--offload-arch={arch}",
+             f"-I{ROOT / 'csrc' / 'include'}", str(ROOT / "csrc" / "hip" / "batch_attention.hip"), "-o", str(out)],
+            env={**os.environ, "HIP_PLATFORM": "amd"}, capture_output=True, text=True,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        asm[arch] = out.read_text()
+    for mnemonic in ("v_mfma_f32_16x16x16f16", "v_mfma_f32_16x16x16bf16_1k"):
+        assert mnemonic in asm["gfx90a"], mnemonic
+    assert "v_mfma" not in asm["gfx1030"]
+    for arch in asm:
+        assert "multi_query_attention_kernel" in asm[arch] and "decode_attention_kernel" in asm[arch]
 
 
 # ---------------------------------------------------------------- CPU-only extension

@@ -518,6 +518,89 @@ std::tuple<Tensor, Tensor> merge_states(const Tensor& v, const Tensor& s) {
   return {v_out, s_out};
 }
 
+// ---- batch attention over a paged KV cache ----
+
+bool aligned16(const Tensor& t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  return ok;
+}
+
+void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, at::TensorList kv_indices,
+                     Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale) {
+  const char* op = "batch_attention";
+  TORCH_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ", q_in.sizes());
+  TORCH_CHECK_TYPE(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16, op,
+                   ": q must be float16 or bfloat16, got ", q_in.scalar_type());
+  check_last_dim_contiguous(op, "q", q_in);
+  const int64_t batch = q_in.size(0), qo_heads = q_in.size(1), head_dim = q_in.size(2);
+  TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op,
+                    ": head_dim must be 64, 128 or 256, got ", head_dim);
+  check_same(op, "k_cache", k_cache, "q", q_in, /*same_shape=*/false);
+  check_same(op, "v_cache", v_cache, "k_cache", k_cache);
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(3) == head_dim, op,
+                    ": k_cache must be 4-D [pages, page_size, num_kv_heads, head_dim] with q's head_dim ", head_dim,
+                    ", got shape ", k_cache.sizes());
+  check_last_dim_contiguous(op, "k_cache", k_cache);
+  check_last_dim_contiguous(op, "v_cache", v_cache);
+  const int64_t kv_heads = k_cache.size(2), page_size = k_cache.size(1);
+  TORCH_CHECK_VALUE(kv_heads > 0 && qo_heads % kv_heads == 0, op, ": num_qo_heads (", qo_heads,
+                    ") must be a multiple of num_kv_heads (", kv_heads, ")");
+  TORCH_CHECK_VALUE(page_size > 0 && page_size < (int64_t(1) << 31), op, ": page_size must be in [1, 2^31), got ",
+                    page_size);
+  TORCH_CHECK_VALUE(aligned16(k_cache) && aligned16(v_cache), op,
+                    ": paged_kv_cache must start on a 16-byte boundary and have strides that are multiples of 8 "
+                    "elements (the kernels read it 16 bytes at a time), got strides ",
+                    k_cache.strides());
+  TORCH_CHECK_VALUE(kv_indices.size() >= 1 && kv_indices.size() <= size_t(fk::kMaxLevels), op,
+                    ": kv_indices must be a list of 1 to ", fk::kMaxLevels, " tensors (one per level)");
+  for (size_t i = 0; i < kv_indices.size(); ++i) {
+    TORCH_CHECK_TYPE(kv_indices[i].scalar_type() == at::kInt, op, ": kv_indices[", i, "] must be int32, got ",
+                     kv_indices[i].scalar_type());
+    TORCH_CHECK_VALUE(kv_indices[i].dim() == 1 && kv_indices[i].device() == q_in.device() &&
+                          (kv_indices[i].numel() <= 1 || kv_indices[i].stride(0) == 1),
+                      op, ": kv_indices[", i, "] must be a contiguous 1-D tensor on ", q_in.device());
+  }
+  TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
+                        workspace.device() == q_in.device(),
+                    op, ": workspace must be a contiguous 1-D uint8 tensor on ", q_in.device());
+  TORCH_CHECK_VALUE(out.scalar_type() == q_in.scalar_type() && out.sizes() == q_in.sizes() && out.is_contiguous() &&
+                        out.device() == q_in.device(),
+                    op, ": out must be a contiguous ", q_in.scalar_type(), " tensor of shape ", q_in.sizes());
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == q_in.sizes().slice(0, 2) && lse.is_contiguous() &&
+                        lse.device() == q_in.device(),
+                    op, ": lse must be a contiguous float32 tensor of shape ", q_in.sizes().slice(0, 2));
+  TORCH_CHECK_VALUE(grid.size() == 4, op, ": grid must be four non-negative block counts, got ", grid);
+  for (const int64_t g : grid)
+    TORCH_CHECK_VALUE(g >= 0 && g < (int64_t(1) << 31), op, ": grid must be four non-negative block counts, got ", grid);
+  TORCH_CHECK_VALUE(std::isfinite(sm_scale), op, ": sm_scale must be finite, got ", sm_scale);
+  if (batch == 0) return;
+
+  const c10::DeviceGuard guard(q_in.device());
+  const Tensor q = aligned16(q_in) ? q_in : q_in.contiguous();  // q is small: copy a misaligned view
+  const fk::WorkspaceLayout layout = fk::workspace_layout(workspace.numel(), batch, qo_heads, head_dim);
+  uint8_t* base = workspace.data_ptr<uint8_t>();
+  fk::BatchAttentionParams p{};
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q = q.const_data_ptr();
+  p.q_strides[0] = q.stride(0), p.q_strides[1] = q.stride(1);
+  p.k_cache = k_cache.const_data_ptr(), p.v_cache = v_cache.const_data_ptr();
+  for (int i = 0; i < 3; ++i) p.k_strides[i] = k_cache.stride(i), p.v_strides[i] = v_cache.stride(i);
+  p.num_pages = k_cache.size(0);
+  for (size_t i = 0; i < kv_indices.size(); ++i) p.kv_indices[i] = kv_indices[i].const_data_ptr<int32_t>();
+  p.plan = reinterpret_cast<const int32_t*>(base);
+  p.partial_s = reinterpret_cast<float*>(base + layout.partial_s_offset);
+  p.partial_v = reinterpret_cast<float*>(base + layout.partial_v_offset);
+  for (int i = 0; i < 4; ++i) p.grid[i] = int(grid[i]);
+  p.batch = int(batch), p.qo_heads = int(qo_heads), p.kv_heads = int(kv_heads), p.head_dim = int(head_dim);
+  p.page_size = int(page_size);
+  p.page_div = fk::Divmod(uint32_t(page_size));
+  p.sm_scale = float(sm_scale);
+  p.dtype = to_dtype(q.scalar_type());
+  check_launch(fk::launch_batch_attention(p, current_stream(q)), op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashkern, CUDA, m) {
@@ -535,4 +618,5 @@ TORCH_LIBRARY_IMPL(flashkern, CUDA, m) {
   m.impl("merge_state", &merge_state);
   m.impl("merge_state_in_place", &merge_state_in_place);
   m.impl("merge_states", &merge_states);
+  m.impl("batch_attention", &batch_attention);
 }

@@ -92,4 +92,25 @@ const char* emu_merge_states(void* v_out, float* s_out, const void* v, const flo
   return fk::launch_merge_states(p, nullptr);
 }
 
+// q [batch, qo_heads, head_dim] with strides q_strides; k/v caches [pages, page_size, kv_heads, head_dim] with
+// strides kv_strides (k: page, slot, head; then v's); plan, partial_s and partial_v: a planned CPU workspace.
+const char* emu_batch_attention(void* out, float* lse, const void* q, const int64_t* q_strides, const void* k_cache,
+                                const void* v_cache, const int64_t* kv_strides, int64_t num_pages,
+                                const int32_t* const* kv_indices, int levels, const int32_t* plan, float* partial_s,
+                                float* partial_v, const int* grid, int batch, int qo_heads, int kv_heads, int head_dim,
+                                int page_size, float sm_scale, int dtype) {
+  fk::BatchAttentionParams p{};
+  p.out = out, p.lse = lse, p.q = q, p.k_cache = k_cache, p.v_cache = v_cache;
+  p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1];
+  for (int i = 0; i < 3; ++i) p.k_strides[i] = kv_strides[i], p.v_strides[i] = kv_strides[3 + i];
+  p.num_pages = num_pages;
+  for (int i = 0; i < levels; ++i) p.kv_indices[i] = kv_indices[i];
+  p.plan = plan, p.partial_s = partial_s, p.partial_v = partial_v;
+  for (int i = 0; i < 4; ++i) p.grid[i] = grid[i];
+  p.batch = batch, p.qo_heads = qo_heads, p.kv_heads = kv_heads, p.head_dim = head_dim, p.page_size = page_size;
+  p.page_div = fk::Divmod(uint32_t(page_size));
+  p.sm_scale = sm_scale, p.dtype = DType(dtype);
+  return fk::launch_batch_attention(p, nullptr);
+}
+
 }  // extern "C"

@@ -8,6 +8,8 @@
 #include <cstdint>
 
 #include "flashkern/activations.h"
+#include "flashkern/attention_work.h"
+#include "flashkern/divmod.h"
 #include "flashkern/rows.h"
 
 namespace fk {
@@ -116,6 +118,29 @@ struct MergeStatesParams {
   DType dtype;
 };
 
+// Attention over a paged KV cache, as planned in the workspace (attention_work.h): per query t
+// and q head h, softmax(q[t, h] . K^T * sm_scale) V over the KV of every group that t belongs
+// to, with lse = the natural-log sum-exp of the scaled logits. K and V of KV head h / group_size.
+struct BatchAttentionParams {
+  void* out;                     // [batch, qo_heads, head_dim] dtype, contiguous
+  float* lse;                    // [batch, qo_heads], contiguous
+  const void* q;                 // [batch, qo_heads, head_dim] dtype, 16-byte aligned rows
+  int64_t q_strides[2];          // batch, head (elements)
+  const void* k_cache;           // [num_pages, page_size, kv_heads, head_dim] dtype, 16-byte aligned rows
+  const void* v_cache;           // the same shape
+  int64_t k_strides[3], v_strides[3];  // page, slot in page, head (elements)
+  int64_t num_pages;             // a page index outside [0, num_pages) makes its query's output NaN
+  const int32_t* kv_indices[kMaxLevels];  // each level's page indices
+  const int32_t* plan;           // the workspace's int32 words: PlanHeader, items, merge lists
+  float* partial_s;              // [slot_capacity, qo_heads] (workspace)
+  float* partial_v;              // [slot_capacity, qo_heads, head_dim] (workspace)
+  int grid[4];                   // blocks for the decode, tile16 and tile64 kernels; the merge: 0 or 1
+  int batch, qo_heads, kv_heads, head_dim, page_size;
+  Divmod page_div;               // by page_size
+  float sm_scale;
+  DType dtype;                   // f16 or bf16
+};
+
 const char* launch_rmsnorm(const RmsnormParams& p, void* stream);
 size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p);
 const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream);
@@ -123,5 +148,6 @@ const char* launch_act_and_mul(const ActAndMulParams& p, void* stream);
 const char* launch_act_and_mul_backward(const ActAndMulBackwardParams& p, void* stream);
 const char* launch_rope(const RopeParams& p, void* stream);
 const char* launch_merge_states(const MergeStatesParams& p, void* stream);
+const char* launch_batch_attention(const BatchAttentionParams& p, void* stream);
 
 }  // namespace fk

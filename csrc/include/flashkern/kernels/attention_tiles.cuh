@@ -1,0 +1,182 @@
+// What the attention kernels share: reading work items, streaming K/V tiles of a paged cache
+// into shared memory, and writing a query's state to its output or to its slot.
+#pragma once
+
+#include "flashkern/attention_state.h"
+#include "flashkern/attention_work.h"
+#include "flashkern/divmod.h"
+#include "flashkern/ops.h"
+#include "flashkern/vec.h"
+
+namespace fk {
+
+inline constexpr int kVec16Bit = 8;  // 16-bit elements per 16-byte vector
+
+FK_DEVICE const PlanHeader& plan_header(const BatchAttentionParams& p) {
+  return *reinterpret_cast<const PlanHeader*>(p.plan);
+}
+
+// kv_indices[level] with constant indices only: a run-time index into a kernel parameter makes
+// AMD compilers copy the whole parameter block to scratch memory.
+FK_DEVICE const int32_t* level_indices(const BatchAttentionParams& p, int level) {
+  const int32_t* indices = p.kv_indices[0];
+#pragma unroll
+  for (int i = 1; i < kMaxLevels; ++i) indices = level == i ? p.kv_indices[i] : indices;
+  return indices;
+}
+
+FK_DEVICE AttentionWorkItem load_item(const BatchAttentionParams& p, AttentionKind kind, int i) {
+  const int4* w = reinterpret_cast<const int4*>(p.plan + plan_header(p).items[int(kind)] + kItemWords * i);
+  const int4 a = w[0], b = w[1];
+  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+}
+
+// Offset of element d of row `row` in a [rows, kHeadDim] tile of 16-bit values in shared memory.
+// Swizzled tiles XOR the 16-byte column with the row's low 3 bits, so that the 8 rows an
+// ldmatrix phase reads sit in 8 different bank groups.
+template <int kHeadDim, bool kSwizzle>
+FK_DEVICE int tile_offset(int row, int d) {
+  const int chunk = d / kVec16Bit;
+  return row * kHeadDim + kVec16Bit * (kSwizzle ? chunk ^ (row & 7) : chunk) + d % kVec16Bit;
+}
+
+// Streams [kRows, kHeadDim] tiles of K and V of one KV head into shared memory, 16 bytes per copy:
+// thread i copies column chunk i % kChunks of rows i / kChunks + j * kRowsPerPass. The pages of
+// the tile to be copied next are looked up one tile ahead, so that the index loads are off the
+// copies' critical path. A row past the chunk's end is zero-filled (a zero value times a zero
+// weight keeps the accumulators finite); a page index outside the cache zero-fills too and sets
+// `poisoned`, and the kernel then writes NaN for the query instead of reading out of bounds.
+template <typename T, int kHeadDim, int kRows, int kThreads, bool kSwizzle>
+struct KVTileLoader {
+  static constexpr int kChunks = kHeadDim / kVec16Bit;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kPasses = kRows / kRowsPerPass;
+  static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass, whole passes per tile");
+
+  const T* k;  // this KV head's K and V, chunk column included
+  const T* v;
+  int64_t k_page, k_slot, v_page, v_slot;  // strides
+  const int32_t* pages;                     // the group's entries of kv_indices
+  Divmod page_size;
+  uint32_t num_pages;
+  int kv_end;
+  int chunk, row0;
+  int next;                 // the first token of the tile that the next issue() copies
+  int32_t page[kPasses];    // its pages, row by row; -1: past the chunk's end
+
+  FK_DEVICE KVTileLoader(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid)
+      : page_size(p.page_div) {
+    chunk = tid % kChunks;
+    row0 = tid / kChunks;
+    k = static_cast<const T*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kVec16Bit;
+    v = static_cast<const T*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kVec16Bit;
+    k_page = p.k_strides[0], k_slot = p.k_strides[1], v_page = p.v_strides[0], v_slot = p.v_strides[1];
+    pages = level_indices(p, item.level) + item.page_begin;
+    num_pages = uint32_t(p.num_pages);
+    kv_end = item.kv_end;
+  }
+
+  // Looks up the pages of the tile starting at token `start` (the next one to issue).
+  FK_DEVICE void lookup(int start) {
+    next = start;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int pos = start + row0 + i * kRowsPerPass;
+      page[i] = pos < kv_end ? pages[page_size.div(uint32_t(pos))] : -1;
+    }
+  }
+
+  // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each).
+  FK_DEVICE void issue(T* k_tile, T* v_tile, bool& poisoned) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      const bool in_cache = uint32_t(page[i]) < num_pages;
+      poisoned |= page[i] != -1 && !in_cache;
+      uint32_t q, slot;  // the slot is recomputed rather than kept: fewer registers per row
+      page_size.divmod(uint32_t(next + row), q, slot);
+      const int64_t pg = in_cache ? page[i] : 0;
+      const int off = tile_offset<kHeadDim, kSwizzle>(row, chunk * kVec16Bit);
+      cp_async16(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
+      cp_async16(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
+    }
+  }
+};
+
+// Where one (query, q head) state goes: out / lse when it is the query's only state, else its
+// slot of the partial states, which the merge kernel combines.
+template <typename T>
+struct StateSink {
+  T* out;           // the row of out, or nullptr
+  float* partial;   // the row of partial_v, or nullptr
+  float* lse;       // the lse or partial_s entry
+
+  FK_DEVICE StateSink(const BatchAttentionParams& p, int t, int head, int slot) {
+    const int* indptr = p.plan + plan_header(p).merge_indptr;
+    const int64_t row = int64_t(t) * p.qo_heads + head;
+    if (indptr[t + 1] - indptr[t] == 1) {
+      out = static_cast<T*>(p.out) + row * p.head_dim;
+      partial = nullptr;
+      lse = p.lse + row;
+    } else {
+      const int64_t srow = int64_t(slot) * p.qo_heads + head;
+      out = nullptr;
+      partial = p.partial_v + srow * p.head_dim;
+      lse = p.partial_s + srow;
+    }
+  }
+  FK_DEVICE void store2(int d, float a, float b) const {
+    if (out != nullptr) {
+      Vec<T, 2> x;
+      x.set(0, a), x.set(1, b);
+      *reinterpret_cast<uint32_t*>(out + d) = x.w[0];
+    } else {
+      *reinterpret_cast<float2*>(partial + d) = make_float2(a, b);
+    }
+  }
+  FK_DEVICE void store8(int d, const float (&x)[kVec16Bit]) const {
+    if (out != nullptr) {
+      Vec<T, kVec16Bit> y;
+#pragma unroll
+      for (int j = 0; j < kVec16Bit; ++j) y.set(j, x[j]);
+      y.store(out + d);
+    } else {
+      store16(partial + d, make_uint4(bit_cast<uint32_t>(x[0]), bit_cast<uint32_t>(x[1]), bit_cast<uint32_t>(x[2]),
+                                      bit_cast<uint32_t>(x[3])));
+      store16(partial + d + 4, make_uint4(bit_cast<uint32_t>(x[4]), bit_cast<uint32_t>(x[5]),
+                                          bit_cast<uint32_t>(x[6]), bit_cast<uint32_t>(x[7])));
+    }
+  }
+  FK_DEVICE void store_lse(float s) const { *lse = s; }
+};
+
+// The end of a block's work on an item whose rows' states are split over `n` parts (thread
+// groups that each saw part of the KV): part i of row r left o[i][r][:] (unnormalized, fp32) and
+// m[i][r], l[i][r] (base 2) in shared memory. The block merges them and writes each valid row
+// with `sink_of(r)`; poisoned: NaN. Threads take (row, 8-dim chunk) pairs.
+template <typename T, int kHeadDim, typename SinkOf>
+FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float* l, int n, int rows_stride, int rows,
+                                     bool poisoned, SinkOf sink_of) {
+  constexpr int kChunks = kHeadDim / kVec16Bit;
+  for (int i = threadIdx.x; i < rows * kChunks; i += blockDim.x) {
+    const int r = i / kChunks, d = (i % kChunks) * kVec16Bit;
+    float m_max = -INFINITY;
+    for (int j = 0; j < n; ++j) m_max = fmaxf(m_max, m[j * rows_stride + r]);
+    float total = 0.f, acc[kVec16Bit] = {};
+    for (int j = 0; j < n; ++j) {
+      const float w = softmax_weight(m[j * rows_stride + r], m_max);
+      total += w * l[j * rows_stride + r];
+      const float* src = o + (int64_t(j) * rows_stride + r) * kHeadDim + d;
+#pragma unroll
+      for (int e = 0; e < kVec16Bit; ++e) acc[e] += w * src[e];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec16Bit; ++e) acc[e] = poisoned ? NAN : acc[e] * inv;
+    const StateSink<T> sink = sink_of(r);
+    sink.store8(d, acc);
+    if (d == 0) sink.store_lse(poisoned ? NAN : state_lse(m_max, total));
+  }
+}
+
+}  // namespace fk

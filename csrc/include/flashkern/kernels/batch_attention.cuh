@@ -1,0 +1,133 @@
+// Batch attention over a paged KV cache, as planned (attention_work.h): the decode kernel, the
+// multi-query kernel in its two tile shapes, then the merge of every query with more than one
+// state. Every launch has a grid fixed by the caller and reads its items from the plan, so the
+// same launches serve any plan (and CUDA graph replays after a new plan).
+#pragma once
+
+#include <type_traits>
+
+#include "flashkern/dispatch.h"
+#include "flashkern/kernels/decode_attention.cuh"
+#include "flashkern/kernels/multi_query_attention.cuh"
+
+namespace fk {
+
+inline constexpr int kMergeBlock = 256;
+
+// Per (query, q head) with n != 1 states: s = log(sum_i exp(s_i)), v = sum_i exp(s_i - s) v_i over
+// its slots (natural log, fp32); no state: (0, -inf). A group of head_dim / 8 threads per row.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttentionParams p) {
+  constexpr int kLanes = kHeadDim / kVec16Bit, kRowsPerBlock = kMergeBlock / kLanes;
+  const int* indptr = p.plan + plan_header(p).merge_indptr;
+  const int* slots = p.plan + plan_header(p).merge_indices;
+  const int64_t rows = int64_t(p.batch) * p.qo_heads;
+  const int lane = threadIdx.x % kLanes;
+  for (int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes; row < rows;
+       row += int64_t(gridDim.x) * kRowsPerBlock) {
+    const int t = int(row / p.qo_heads), h = int(row % p.qo_heads);
+    const int begin = indptr[t], n = indptr[t + 1] - begin;
+    if (n == 1) continue;  // written by the attention kernel
+    float m = -INFINITY;
+    for (int i = 0; i < n; ++i) m = fmaxf(m, p.partial_s[int64_t(slots[begin + i]) * p.qo_heads + h]);
+    float total = 0.f, acc[kVec16Bit] = {};
+    for (int i = 0; i < n; ++i) {
+      const int64_t srow = int64_t(slots[begin + i]) * p.qo_heads + h;
+      const float s = p.partial_s[srow];
+      const float w = m == -INFINITY ? 0.f : expf(s - m);  // a NaN state stays NaN
+      total += w;
+      const float4* v = reinterpret_cast<const float4*>(p.partial_v + srow * kHeadDim + lane * kVec16Bit);
+      const float4 a = v[0], b = v[1];
+      const float x[kVec16Bit] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int e = 0; e < kVec16Bit; ++e) acc[e] += w * x[e];
+    }
+    Vec<T, kVec16Bit> out;
+#pragma unroll
+    for (int e = 0; e < kVec16Bit; ++e) out.set(e, total == 0.f ? 0.f : acc[e] / total);
+    out.store(static_cast<T*>(p.out) + row * kHeadDim + lane * kVec16Bit);
+    if (lane == 0) p.lse[row] = total == 0.f ? -INFINITY : m + logf(total);
+  }
+}
+
+template <typename F>
+decltype(auto) with_attention_dtype(DType dtype, F&& f) {
+  if (dtype == DType::bf16) return f(bf16_t{});
+  return f(half_t{});
+}
+
+template <typename F>
+decltype(auto) with_head_dim(int head_dim, F&& f) {
+  if (head_dim == 64) return f(std::integral_constant<int, 64>{});
+  if (head_dim == 128) return f(std::integral_constant<int, 128>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
+template <typename F>
+decltype(auto) with_decode_group(int group, F&& f) {
+  switch (group) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, 4>{});
+  }
+}
+
+// Launches `kernel` with `bytes` of dynamic shared memory, raising the limit where it needs to.
+template <typename Kernel>
+const char* launch_tiles(Kernel kernel, int blocks, int kv_heads, int threads, int bytes, const BatchAttentionParams& p,
+                         gpuStream_t stream) {
+#if !defined(FK_EMU)
+  if (bytes > 48 * 1024) {
+    const gpuError_t e = gpuSetMaxDynamicShared(kernel, bytes);
+    if (e != gpuSuccess) return gpuGetErrorString(e);
+  }
+#endif
+  FK_LAUNCH_SMEM(kernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream)(p);
+  return last_launch_error();
+}
+
+template <int kWarp>
+const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t stream) {
+  return with_attention_dtype(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    return with_head_dim(p.head_dim, [&](auto d) -> const char* {
+      constexpr int D = decltype(d)::value;
+      const char* error = nullptr;
+      if (p.grid[0] > 0) {
+        error = with_decode_group(p.qo_heads / p.kv_heads, [&](auto g) {
+          constexpr int G = decltype(g)::value;
+          return launch_tiles(decode_attention_kernel<T, D, G>, p.grid[0], p.kv_heads, DecodeShape<D>::kThreads,
+                              DecodeShape<D>::shared_bytes(G), p, stream);
+        });
+        if (error) return error;
+      }
+      if (p.grid[1] > 0) {
+        using S = TileShape<D, 16, kWarp>;
+        error = launch_tiles(multi_query_attention_kernel<T, D, 16, kWarp>, p.grid[1], p.kv_heads, S::kThreads,
+                             S::kSharedBytes, p, stream);
+        if (error) return error;
+      }
+      if (p.grid[2] > 0) {
+        using S = TileShape<D, 64, kWarp>;
+        error = launch_tiles(multi_query_attention_kernel<T, D, 64, kWarp>, p.grid[2], p.kv_heads, S::kThreads,
+                             S::kSharedBytes, p, stream);
+        if (error) return error;
+      }
+      if (p.grid[3] > 0 && p.batch > 0) {
+        constexpr int kRowsPerBlock = kMergeBlock / (D / kVec16Bit);
+        const int64_t blocks = ceil_div(int64_t(p.batch) * p.qo_heads, kRowsPerBlock);
+        const auto merge = merge_partials_kernel<T, D>;
+        FK_LAUNCH(merge, dim3(unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks)), dim3(kMergeBlock), stream)(p);
+        error = last_launch_error();
+      }
+      return error;
+    });
+  });
+}
+
+}  // namespace fk

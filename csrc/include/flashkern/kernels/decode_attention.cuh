@@ -1,0 +1,145 @@
+// Decode attention on CUDA cores: one query, a GQA group of kGroup <= kDecodeMaxGroup heads.
+//   out[h] = softmax(q[h] . K^T * sm_scale) V for the group's heads h, over one chunk of the KV.
+// Threads: 128 a block, blockIdx.y the KV head. A sub-warp of kLanes = head_dim / 8 lanes owns one
+// token at a time; each lane owns 8 of its dimensions (one 16-byte vector of K and one of V) and
+// keeps q and the output accumulators of every head of the group for those 8 dimensions in
+// registers, so each K/V vector is read once for the whole group. Dot products: per-lane partial
+// sums, then a butterfly over the sub-warp. Online softmax in base 2 with pre-scaled q, fp32.
+// K/V tiles stream through a cp.async pipeline of kStages; each thread reads back only the
+// vectors it copied, so the pipeline needs no barrier. The sub-warps' states are merged in shared
+// memory at the end. Bytes: the chunk's K and V (2 * tokens * head_dim * 2), q and the output.
+#pragma once
+
+#include "flashkern/kernels/attention_tiles.cuh"
+
+namespace fk {
+
+template <int kHeadDim>
+struct DecodeShape {
+  static constexpr int kThreads = 128;
+  static constexpr int kLanes = kHeadDim / kVec16Bit;          // 8, 16, 32 lanes a token
+  static constexpr int kSubwarps = kThreads / kLanes;           // 16, 8, 4 tokens at a time
+  static constexpr int kTokensPerSubwarp = 4;                  // per tile: independent loads in flight
+  static constexpr int kTile = kSubwarps * kTokensPerSubwarp;  // 64, 32, 16 tokens
+  static constexpr int kStages = kAsyncCopy ? 3 : 1;
+  static constexpr int kStageElems = 2 * kTile * kHeadDim;     // K and V
+  static FK_HOST_DEVICE constexpr int shared_bytes(int group) {
+    const int tiles = kStages * kStageElems * 2;
+    const int merge = kSubwarps * group * (kHeadDim + 2) * 4;  // o, m, l of every sub-warp
+    return tiles > merge ? tiles : merge;
+  }
+};
+
+template <typename T, int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(128) decode_attention_kernel(BatchAttentionParams p) {
+  using S = DecodeShape<kHeadDim>;
+  using Loader = KVTileLoader<T, kHeadDim, S::kTile, S::kThreads, false>;
+  FK_DYNAMIC_SHARED(smem);
+  T* tiles = reinterpret_cast<T*>(smem);  // stage s: K at s * kStageElems, V kTile rows further
+  const int lane = threadIdx.x % S::kLanes, sub = threadIdx.x / S::kLanes, kv_head = blockIdx.y;
+  const float scale = p.sm_scale * kLog2e;
+  const int count = plan_header(p).count[int(AttentionKind::decode)];
+  for (int w = blockIdx.x; w < count; w += gridDim.x) {
+    const AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
+    const int t = item.q_begin;
+    float q[kGroup][kVec16Bit], o[kGroup][kVec16Bit], m[kGroup], l[kGroup];
+#pragma unroll
+    for (int h = 0; h < kGroup; ++h) {
+      Vec<T, kVec16Bit> x;
+      x.load(static_cast<const T*>(p.q) + t * p.q_strides[0] + (kv_head * kGroup + h) * p.q_strides[1] +
+             lane * kVec16Bit);
+#pragma unroll
+      for (int e = 0; e < kVec16Bit; ++e) q[h][e] = x.f(e) * scale, o[h][e] = 0.f;
+      m[h] = -INFINITY, l[h] = 0.f;
+    }
+
+    Loader loader(p, item, kv_head, threadIdx.x);
+    bool poisoned = false;
+    const int tiles_n = int(ceil_div(item.kv_end - item.kv_begin, S::kTile));
+    auto issue = [&](int tile) {  // copy `tile`, look up the pages of the next one
+      T* k_tile = tiles + (tile % S::kStages) * S::kStageElems;
+      loader.issue(k_tile, k_tile + S::kTile * kHeadDim, poisoned);
+      loader.lookup(item.kv_begin + (tile + 1) * S::kTile);
+    };
+    loader.lookup(item.kv_begin);
+#pragma unroll
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < tiles_n) issue(s);
+      cp_async_commit();
+    }
+    for (int it = 0; it < tiles_n; ++it) {
+      if (it + S::kStages - 1 < tiles_n) issue(it + S::kStages - 1);
+      cp_async_commit();
+      cp_async_wait<S::kStages - 1>();  // this thread's copies of tile `it` have landed
+      const T* k_tile = tiles + (it % S::kStages) * S::kStageElems;
+      const T* v_tile = k_tile + S::kTile * kHeadDim;
+      float x[S::kTokensPerSubwarp][kGroup];
+#pragma unroll
+      for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
+        Vec<T, kVec16Bit> kv;
+        kv.load(k_tile + (sub + j * S::kSubwarps) * kHeadDim + lane * kVec16Bit);
+#pragma unroll
+        for (int h = 0; h < kGroup; ++h) {
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < kVec16Bit; ++e) dot += q[h][e] * kv.f(e);
+          x[j][h] = dot;
+        }
+      }
+#pragma unroll
+      for (int offset = S::kLanes / 2; offset >= 1; offset >>= 1) {
+#pragma unroll
+        for (int j = 0; j < S::kTokensPerSubwarp; ++j)
+#pragma unroll
+          for (int h = 0; h < kGroup; ++h) x[j][h] += shfl_xor(x[j][h], offset);
+      }  // every lane of the sub-warp now holds the whole logit of each of its tokens, for every head
+      const int pos0 = item.kv_begin + it * S::kTile + sub;
+#pragma unroll
+      for (int h = 0; h < kGroup; ++h) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
+          if (pos0 + j * S::kSubwarps >= item.kv_end) x[j][h] = -INFINITY;  // past the chunk
+          tile_max = fmaxf(tile_max, x[j][h]);
+        }
+        const float alpha = softmax_rescale(m[h], tile_max);
+        l[h] *= alpha;
+#pragma unroll
+        for (int e = 0; e < kVec16Bit; ++e) o[h][e] *= alpha;
+#pragma unroll
+        for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
+          x[j][h] = softmax_weight(x[j][h], m[h]);
+          l[h] += x[j][h];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
+        Vec<T, kVec16Bit> vv;
+        vv.load(v_tile + (sub + j * S::kSubwarps) * kHeadDim + lane * kVec16Bit);
+#pragma unroll
+        for (int h = 0; h < kGroup; ++h)
+#pragma unroll
+          for (int e = 0; e < kVec16Bit; ++e) o[h][e] += x[j][h] * vv.f(e);
+      }
+    }
+
+    // Merge the sub-warps: part = sub-warp, row = head of the group.
+    cp_async_wait<0>();
+    const bool any_poisoned = __syncthreads_or(poisoned);  // also: every thread is done with the tiles
+    float* o_parts = reinterpret_cast<float*>(smem);
+    float* m_parts = o_parts + S::kSubwarps * kGroup * kHeadDim;
+    float* l_parts = m_parts + S::kSubwarps * kGroup;
+#pragma unroll
+    for (int h = 0; h < kGroup; ++h) {
+#pragma unroll
+      for (int e = 0; e < kVec16Bit; ++e) o_parts[(sub * kGroup + h) * kHeadDim + lane * kVec16Bit + e] = o[h][e];
+      if (lane == 0) m_parts[sub * kGroup + h] = m[h], l_parts[sub * kGroup + h] = l[h];
+    }
+    __syncthreads();
+    merge_parts_and_store<T, kHeadDim>(o_parts, m_parts, l_parts, S::kSubwarps, kGroup, kGroup, any_poisoned,
+                                       [&](int h) { return StateSink<T>(p, t, kv_head * kGroup + h, item.slot_begin); });
+    __syncthreads();  // the next item's copies overwrite the parts
+  }
+}
+
+}  // namespace fk

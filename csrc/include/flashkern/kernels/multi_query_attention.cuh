@@ -1,0 +1,185 @@
+// Multi-query attention on the matrix units: many query rows against one chunk of KV, each K/V
+// tile loaded into shared memory once for all of them. It reads a shared prefix once for every
+// request of a cascade level, and serves decode with GQA groups of more than kDecodeMaxGroup heads
+// (the group's heads are the rows). Rows of a group: (query, q head of the GQA group), query-major.
+//   tile64: 64 rows (4 warps x 16, or 8 x 8 on HIP wave32), every warp over the whole KV tile
+//   tile16: 16 rows, kWarpsN groups of warps splitting each KV tile, merging their states at the end
+// A warp's arithmetic is warp_tile.cuh (mma.sync, MFMA or plain fp32); online softmax in base 2,
+// fp32. K/V tiles (swizzled) stream through a cp.async pipeline, one barrier per tile; without
+// cp.async (HIP) a tile is loaded, then used. Bytes: the chunk's K and V, q and the output rows.
+#pragma once
+
+#include "flashkern/kernels/warp_tile.cuh"
+
+namespace fk {
+
+// Tile shapes depend on the head_dim, the warp width and the platform, never on the matrix unit,
+// which may differ between the host and device passes of a HIP build (platform.h).
+template <int kHeadDim, int kItemRows, int kWarp>
+struct TileShape {
+  static constexpr bool kWide = kItemRows == 64;
+  static constexpr int kWarpRows = fk::kWarpRows<kWarp>;
+  static constexpr int kWarpsM = kItemRows / kWarpRows;                  // warps along the rows
+  static constexpr int kWarpsN = kWide ? 1 : (kHeadDim == 256 ? 2 : 4);  // warps splitting a KV tile
+  static constexpr int kWarpTokens = kWide ? (kHeadDim < 256 ? 64 : kAsyncCopy ? 32 : 16) : 16;
+  static constexpr int kTileN = kWarpsN * kWarpTokens;  // KV tokens a tile
+  static constexpr int kThreads = kWarp * kWarpsM * kWarpsN;
+  static constexpr int kStages = kAsyncCopy ? 2 : 1;
+  static constexpr int kQElems = kItemRows * kHeadDim;
+  static constexpr int kStageElems = 2 * kTileN * kHeadDim;  // K and V
+  static constexpr int kSharedBytes = 2 * (kQElems + kStages * kStageElems);
+  // tile16's epilogue: every warp's o in the K/V stages, its m and l where q was
+  static_assert(kWide || kWarpsN * kItemRows * kHeadDim * 4 <= kStages * kStageElems * 2, "merge parts fit");
+  static_assert(kWide || kWarpsN * kItemRows * 2 * 4 <= kQElems * 2, "m and l fit the q tile");
+};
+
+template <typename T, int kHeadDim, int kItemRows, int kWarp>
+FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
+  using S = TileShape<kHeadDim, kItemRows, kWarp>;
+  using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>()>;
+  static_assert(Warp::kRows == S::kWarpRows, "the warp tile has the rows the shape planned for");
+  using Loader = KVTileLoader<T, kHeadDim, S::kTileN, S::kThreads, true>;
+  constexpr AttentionKind kKind = S::kWide ? AttentionKind::tile64 : AttentionKind::tile16;
+  constexpr int kChunks = kHeadDim / kVec16Bit, kSlots = Warp::kRowSlots;
+  FK_DYNAMIC_SHARED(smem);
+  T* q_tile = reinterpret_cast<T*>(smem);
+  T* kv = q_tile + S::kQElems;  // stage s: K at s * kStageElems, V kTileN rows further
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM, kv_head = blockIdx.y;
+  const int group = p.qo_heads / p.kv_heads;
+  const float scale = p.sm_scale * kLog2e;
+  const int count = plan_header(p).count[int(kKind)];
+  for (int w = blockIdx.x; w < count; w += gridDim.x) {
+    const AttentionWorkItem item = load_item(p, kKind, w);
+    const int rows = kItemRows < item.n_q * group - item.row_begin ? kItemRows : item.n_q * group - item.row_begin;
+    auto query_of = [&](int r) { return item.q_begin + (item.row_begin + r) / group; };
+    auto head_of = [&](int r) { return kv_head * group + (item.row_begin + r) % group; };
+    for (int i = threadIdx.x; i < kItemRows * kChunks; i += S::kThreads) {  // q rows, zeros past the last
+      const int r = i / kChunks, d = (i % kChunks) * kVec16Bit;
+      const T* src = static_cast<const T*>(p.q);
+      if (r < rows) src += query_of(r) * p.q_strides[0] + head_of(r) * p.q_strides[1] + d;
+      cp_async16(q_tile + swizzled<kHeadDim>(r, d), src, r < rows);
+    }
+
+    Loader loader(p, item, kv_head, threadIdx.x);
+    bool poisoned = false;
+    const int tiles_n = int(ceil_div(item.kv_end - item.kv_begin, S::kTileN));
+    auto issue = [&](int tile) {
+      T* k_tile = kv + (tile % S::kStages) * S::kStageElems;
+      loader.issue(k_tile, k_tile + S::kTileN * kHeadDim, poisoned);
+      loader.lookup(item.kv_begin + (tile + 1) * S::kTileN);
+    };
+    loader.lookup(item.kv_begin);
+#pragma unroll
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < tiles_n) issue(s);
+      cp_async_commit();  // the first group carries q too
+    }
+
+    Warp tile(lane);
+    float m[kSlots], l[kSlots];  // l: this lane's share until the end
+#pragma unroll
+    for (int r = 0; r < kSlots; ++r) m[r] = -INFINITY, l[r] = 0.f;
+    for (int it = 0; it < tiles_n; ++it) {
+      if constexpr (S::kStages > 1) {
+        cp_async_wait<S::kStages - 2>();
+        __syncthreads();  // tile `it` has landed for every thread, and every warp is done with tile it - 1
+        if (it + S::kStages - 1 < tiles_n) issue(it + S::kStages - 1);
+        cp_async_commit();
+      } else {
+        __syncthreads();  // every warp is done with the previous tile
+        issue(it);
+        __syncthreads();
+      }
+      const T* k_tile = kv + (it % S::kStages) * S::kStageElems + wn * S::kWarpTokens * kHeadDim;
+      const T* v_tile = k_tile + S::kTileN * kHeadDim;
+      tile.scores(q_tile + wm * S::kWarpRows * kHeadDim, k_tile);
+      const int token0 = item.kv_begin + it * S::kTileN + wn * S::kWarpTokens;
+      float tile_max[kSlots];
+#pragma unroll
+      for (int r = 0; r < kSlots; ++r) tile_max[r] = -INFINITY;
+#pragma unroll
+      for (int f = 0; f < Warp::kSF; ++f)
+#pragma unroll
+        for (int e = 0; e < Warp::kSE; ++e) {
+          const float x = token0 + tile.s_token(f, e) < item.kv_end ? tile.s[f][e] * scale : -INFINITY;
+          tile.s[f][e] = x;
+          tile_max[Warp::s_slot(f, e)] = fmaxf(tile_max[Warp::s_slot(f, e)], x);
+        }
+      float alpha[kSlots];
+#pragma unroll
+      for (int r = 0; r < kSlots; ++r) {
+        alpha[r] = softmax_rescale(m[r], Warp::row_max(tile_max[r]));
+        l[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int f = 0; f < Warp::kSF; ++f)
+#pragma unroll
+        for (int e = 0; e < Warp::kSE; ++e) {
+          tile.s[f][e] = softmax_weight(tile.s[f][e], m[Warp::s_slot(f, e)]);
+          l[Warp::s_slot(f, e)] += tile.s[f][e];
+        }
+#pragma unroll
+      for (int f = 0; f < Warp::kOF; ++f)
+#pragma unroll
+        for (int e = 0; e < Warp::kOE; ++e) tile.o[f][e] *= alpha[Warp::o_slot(f, e)];
+      tile.accumulate(v_tile);
+    }
+#pragma unroll
+    for (int r = 0; r < kSlots; ++r) l[r] = Warp::row_sum(l[r]);
+    cp_async_wait<0>();
+    const bool any_poisoned = __syncthreads_or(poisoned);  // also: every warp is done with q and the tiles
+    auto sink_of = [&](int r) { return StateSink<T>(p, query_of(r), head_of(r), item.slot_begin + query_of(r) - item.q_begin); };
+
+    if constexpr (S::kWide) {  // each warp writes its rows from its registers
+#pragma unroll
+      for (int f = 0; f < Warp::kOF; ++f)
+#pragma unroll
+        for (int e = 0; e < Warp::kOE; e += 2) {
+          const int slot = Warp::o_slot(f, e), r = wm * S::kWarpRows + tile.slot_row(slot);
+          if (r >= rows) continue;
+          const float inv = l[slot] > 0.f ? 1.f / l[slot] : 0.f;
+          sink_of(r).store2(tile.o_dim(f, e), any_poisoned ? NAN : tile.o[f][e] * inv,
+                            any_poisoned ? NAN : tile.o[f][e + 1] * inv);
+        }
+#pragma unroll
+      for (int slot = 0; slot < kSlots; ++slot) {
+        const int r = wm * S::kWarpRows + tile.slot_row(slot);
+        if (r < rows && tile.o_dim(0, kSlots == 2 ? 2 * slot : 0) == 0)
+          sink_of(r).store_lse(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
+      }
+    } else {  // the warps saw different tokens of the same rows: merge their states
+      float* o_parts = reinterpret_cast<float*>(kv);
+      float* m_parts = reinterpret_cast<float*>(q_tile);
+      float* l_parts = m_parts + S::kWarpsN * kItemRows;
+      const int part_row = wn * kItemRows + wm * S::kWarpRows;  // part wn, this warp's first row
+#pragma unroll
+      for (int f = 0; f < Warp::kOF; ++f)
+#pragma unroll
+        for (int e = 0; e < Warp::kOE; ++e)
+          o_parts[(part_row + tile.slot_row(Warp::o_slot(f, e))) * kHeadDim + tile.o_dim(f, e)] = tile.o[f][e];
+#pragma unroll
+      for (int slot = 0; slot < kSlots; ++slot) {
+        if (tile.o_dim(0, kSlots == 2 ? 2 * slot : 0) == 0) {
+          m_parts[part_row + tile.slot_row(slot)] = m[slot];
+          l_parts[part_row + tile.slot_row(slot)] = l[slot];
+        }
+      }
+      __syncthreads();
+      merge_parts_and_store<T, kHeadDim>(o_parts, m_parts, l_parts, S::kWarpsN, kItemRows, rows, any_poisoned, sink_of);
+      __syncthreads();  // the next item's copies overwrite the parts
+    }
+  }
+}
+
+template <typename T, int kHeadDim, int kItemRows, int kWarp>
+__global__ void __launch_bounds__((TileShape<kHeadDim, kItemRows, kWarp>::kThreads))
+    multi_query_attention_kernel(BatchAttentionParams p) {
+  if (FK_WARP_SIZE_MISMATCH(kWarp)) {
+    trap();
+  } else {
+    multi_query_items<T, kHeadDim, kItemRows, kWarp>(p);
+  }
+}
+
+}  // namespace fk
