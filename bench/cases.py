@@ -444,6 +444,162 @@ MERGE_STATES = [
 ]
 
 
+# ---------------------------------------------------------------- decode and cascade attention (paged KV)
+
+# Llama-3 8B's attention: 8 KV heads of 128 dims (32 q heads: group 4); pages of 16 tokens. The smoke
+# set (the CPU, in CI) shrinks everything.
+KV_HEADS, HEAD_DIM, PAGE_SIZE = (1, 64, 16) if BENCH_SET == "smoke" else (8, 128, 16)
+
+
+def decode_shapes():
+    """[(label, batch, (kv length, GQA group))], every request of the batch that long."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 2, (40, 4))]
+    if BENCH_SET == "full":
+        grid = [(b, n, g) for b in (1, 4, 16, 64, 256) for n in (512, 2048, 8192, 32768) for g in (1, 4, 8)]
+    else:
+        grid = [(1, 32768, 4), (1, 4096, 8), (16, 4096, 1), (16, 4096, 4), (16, 4096, 8), (64, 2048, 4),
+                (256, 512, 4), (256, 4096, 4), (256, 4096, 8)]
+    return [(f"b={b} len={n} g={g}", b, (n, g)) for b, n, g in grid]
+
+
+def cascade_shapes():
+    """[(label, batch, (shared prefix, suffix per request))], GQA group 4."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 3, (64, 5))]
+    if BENCH_SET == "full":
+        grid = [(b, p, s) for p in (1024, 8192, 32768) for b in (32, 128, 256) for s in (64, 256, 1024)]
+    else:
+        grid = [(128, 1024, 256), (128, 8192, 256), (128, 32768, 256), (32, 32768, 256), (256, 32768, 256),
+                (128, 32768, 64), (128, 32768, 1024)]
+    return [(f"b={b} prefix={p} suffix={s}", b, (p, s)) for b, p, s in grid]
+
+
+def _heads(group):
+    return KV_HEADS * group, KV_HEADS
+
+
+def decode_bytes(batch, shape, dtype):
+    """q, the KV every request reads, the output and its LSE."""
+    length, group = shape
+    s = torch.finfo(dtype).bits // 8
+    qo_heads, kv_heads = _heads(group)
+    return 2 * batch * qo_heads * HEAD_DIM * s + 2 * batch * length * kv_heads * HEAD_DIM * s + 4 * batch * qo_heads
+
+
+def cascade_bytes(batch, shape, dtype):
+    """The problem's unique bytes, the same for every provider: the prefix once, every suffix, q and the output."""
+    prefix, suffix = shape
+    s = torch.finfo(dtype).bits // 8
+    qo_heads, kv_heads = _heads(4)
+    return 2 * batch * qo_heads * HEAD_DIM * s + 2 * (prefix + batch * suffix) * kv_heads * HEAD_DIM * s
+
+
+def _page_table(lengths, first_page=0):
+    """CSR page table of requests of these lengths on consecutive pages from first_page."""
+    pages = [-(-n // PAGE_SIZE) for n in lengths]
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * PAGE_SIZE for n, p in zip(lengths, pages)], dtype=torch.int32)
+    return indptr, first_page + torch.arange(sum(pages), dtype=torch.int32), last
+
+
+def _workspace():
+    return torch.empty(64 << 20, dtype=torch.uint8, device="cuda" if GPU else "cpu")
+
+
+class PagedCase:
+    """One input set: a paged cache in shuffled page order, its page tables, q, and planned wrappers."""
+
+    def __init__(self, seed, batch, tables, qo_heads, kv_heads, dtype, cascade=None):
+        device = "cuda" if GPU else "cpu"
+        indptr, indices, last = tables
+        num_pages = int(indices.numel()) if cascade is None else int(cascade[2][-1].max()) + 1
+        g = torch.Generator().manual_seed(seed)
+        self.perm = torch.randperm(num_pages, generator=g).to(torch.int32)  # logical page -> place in the cache
+        self.cache = rand((num_pages, 2, PAGE_SIZE, kv_heads, HEAD_DIM), dtype, seed)
+        self.q = rand((batch, qo_heads, HEAD_DIM), dtype, 10**5 + seed)
+        self.tables = (indptr.to(device), self.perm[indices.long()].to(device), last.to(device))
+        self.heads, self.dtype, self.batch = (qo_heads, kv_heads), dtype, batch
+        self.decode = _flashkern().BatchDecodeWithPagedKVCacheWrapper(_workspace())
+        self.decode.plan(indptr, self.perm[indices.long()], last, qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE,
+                         q_data_type=dtype)
+        self.cascade_tables = None
+        if cascade is not None:
+            qo, kv, idx, lasts = cascade
+            idx = [self.perm[i.long()] for i in idx]
+            self.cascade_tables = (qo, kv, idx, lasts)
+            self.cascade = _flashkern().MultiLevelCascadeAttentionWrapper(2, _workspace())
+            self.cascade.plan(qo, kv, idx, lasts, qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE, q_data_type=dtype)
+
+
+def decode_inputs(batch, shape, dtype):
+    length, group = shape
+    tables = _page_table([length] * batch)
+    return lambda seed: (PagedCase(seed, batch, tables, *_heads(group), dtype),)
+
+
+def cascade_inputs(batch, shape, dtype):
+    """Level 0: the prefix's pages, shared by the whole batch; level 1: each request's suffix. The
+    non-cascade page table lists the prefix pages again for every request."""
+    prefix, suffix = shape
+    n_prefix = prefix // PAGE_SIZE  # the prefix fills whole pages, so it can lead every request's list
+    suffix_indptr, suffix_indices, suffix_last = _page_table([suffix] * batch, first_page=n_prefix)
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    cascade = ([i32([0, batch]), torch.arange(batch + 1, dtype=torch.int32)],
+               [i32([0, n_prefix]), suffix_indptr], [torch.arange(n_prefix, dtype=torch.int32), suffix_indices],
+               [i32([PAGE_SIZE]), suffix_last])
+    per_request = [torch.cat([torch.arange(n_prefix), suffix_indices[suffix_indptr[b] : suffix_indptr[b + 1]].long()])
+                   for b in range(batch)]
+    flat = (torch.tensor([0] + torch.tensor([len(r) for r in per_request]).cumsum(0).tolist(), dtype=torch.int32),
+            torch.cat(per_request).to(torch.int32), suffix_last)
+    return lambda seed: (PagedCase(seed, batch, flat, *_heads(4), dtype, cascade=cascade),)
+
+
+def _sdpa(case):
+    """torch's scaled_dot_product_attention (GQA) on the same KV laid out contiguously [batch, kv_heads, length, D]."""
+    indptr, indices, last = (t.cpu() for t in case.tables)
+    length = (int(indptr[1] - indptr[0]) - 1) * PAGE_SIZE + int(last[0])
+    pages = indices.long().view(case.batch, -1).to(case.cache.device)
+    k = case.cache[pages, 0].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+    v = case.cache[pages, 1].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+    q = case.q[:, :, None]
+    return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _flashinfer_decode(case):
+    import flashinfer
+
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(), "NHD")
+    wrapper.plan(*case.tables, *case.heads, HEAD_DIM, PAGE_SIZE, q_data_type=case.dtype)
+    return lambda: wrapper.run(case.q, case.cache)
+
+
+def _flashinfer_cascade(case):
+    import flashinfer
+
+    qo, kv, idx, last = case.cascade_tables
+    device = case.cache.device
+    wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, _workspace(), "NHD")
+    wrapper.plan([t.to(device) for t in qo], [t.to(device) for t in kv], [t.to(device) for t in idx],
+                 [t.to(device) for t in last], *case.heads, HEAD_DIM, PAGE_SIZE, q_data_type=case.dtype)
+    return lambda: wrapper.run(case.q, case.cache)
+
+
+DECODE = [
+    Provider("flashkern", lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+    Provider("torch", _sdpa),
+    Provider("flashinfer", _flashinfer_decode, "flashinfer", True),
+]
+
+NO_CASCADE = "flashkern (no cascade)"  # the baseline cascade rows are compared with
+CASCADE = [
+    Provider("flashkern", lambda case: (lambda: case.cascade.run(case.q, case.cache)), requires="flashkern"),
+    Provider(NO_CASCADE, lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+    Provider("flashinfer", _flashinfer_cascade, "flashinfer", True),
+    Provider("flashinfer (no cascade)", _flashinfer_decode, "flashinfer", True),
+]
+
+
 def _flashkern():
     import flashkern
 

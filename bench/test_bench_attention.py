@@ -1,4 +1,6 @@
-"""merge_states (the split-KV / cascade merge): flashkern beside torch, torch.compile and FlashInfer."""
+"""Attention: merge_states (the split-KV / cascade merge) beside torch, torch.compile and FlashInfer;
+paged-KV batch decode beside torch's SDPA (on the same KV, contiguous) and FlashInfer; cascade
+decode beside the same batch without the cascade (every request reads the shared prefix)."""
 
 import pytest
 
@@ -12,3 +14,21 @@ from .harness import bench_op
 def test_merge_states(benchmark, provider, label, tokens, shape, dtype):
     bench_op(benchmark, op="merge_states", provider=provider, shape=(tokens, *shape), dtype=dtype,
              bytes_moved=cases.merge_bytes(tokens, shape, dtype), make_inputs=cases.merge_inputs(tokens, shape, dtype))
+
+
+@pytest.mark.benchmark(group="batch_decode")
+@pytest.mark.parametrize("provider,label,batch,shape,dtype", params(cases.DECODE, cases.decode_shapes()))
+def test_batch_decode(benchmark, provider, label, batch, shape, dtype):
+    length, group = shape
+    bench_op(benchmark, op="batch_decode", provider=provider, shape=(batch, length, group), dtype=dtype,
+             bytes_moved=cases.decode_bytes(batch, shape, dtype), make_inputs=cases.decode_inputs(batch, shape, dtype))
+
+
+@pytest.mark.benchmark(group="cascade")
+@pytest.mark.parametrize("provider,label,batch,shape,dtype", params(cases.CASCADE, cases.cascade_shapes()))
+def test_cascade(benchmark, provider, label, batch, shape, dtype):
+    prefix, suffix = shape
+    extra = bench_op(benchmark, op="cascade", provider=provider, shape=(batch, prefix, suffix), dtype=dtype,
+                     bytes_moved=cases.cascade_bytes(batch, shape, dtype),
+                     make_inputs=cases.cascade_inputs(batch, shape, dtype))
+    benchmark.extra_info["prefix_len"] = extra["prefix_len"] = prefix

@@ -194,6 +194,27 @@ def test_workspace_checks(device):
         wrapper.plan(i32([0, 1, 2]), i32([0, 1]), i32([3, 3]), 32, 8, 128, 16)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):
         BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1), use_cuda_graph=True)
+    with pytest.raises(ValueError, match="workspace_buffer must start on a 16-byte boundary"):
+        BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1)[1:])
+
+
+def test_misaligned_or_strided_q(device):
+    """q need not be aligned or contiguous (the GPU path copies it): the answer is q's."""
+    wrapper, cache, _, q = planned(device)
+    expected = wrapper.run(q, cache)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape)
+    shifted.copy_(q)
+    wide = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=q.dtype, device=device)[..., : q.shape[2]]
+    wide.copy_(q)
+    for view in (shifted, wide):
+        torch.testing.assert_close(wrapper.run(view, cache), expected)
+
+
+def test_misaligned_out_is_rejected(device):
+    wrapper, cache, _, q = planned(device)
+    out = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape)  # contiguous, 2 bytes off
+    with pytest.raises(ValueError, match="out must start on a 16-byte boundary"):
+        wrapper.run(q, cache, out=out)
 
 
 def test_single_decode_checks(device):

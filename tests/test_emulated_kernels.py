@@ -30,7 +30,9 @@ def build(tmp_path_factory, backend):
     if cxx is None:
         pytest.skip("no g++")
     out = tmp_path_factory.mktemp(f"emu-{backend}")
-    flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-DFK_EMULATE", f"-I{ROOT / 'csrc' / 'include'}"]
+    # hidden: each library keeps its own emulator state (the warp width), however many are loaded
+    flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-fvisibility=hidden", "-DFK_EMULATE",
+             f"-I{ROOT / 'csrc' / 'include'}"]
     if backend == "hip":
         flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
     pattern = "*.cu" if backend == "cuda" else "*.hip"
@@ -388,6 +390,22 @@ def test_batch_attention_kernels_page_outside_the_cache(attention_lib):
         assert out[1].isnan().all() and lse[1].isnan().all()
         keep = torch.tensor([0, 2])
         check_attention(out[keep], lse[keep], eo[keep], e_lse[keep], torch.float16)
+
+
+def test_batch_attention_kernels_nan_is_not_hidden(attention_lib):
+    """NaN reaches the output however the maxima treat it: a bad page in every chunk of a split request,
+    and a NaN q (every logit NaN), for both kernels."""
+    for group in (4, 8):
+        wrapper, q, cache, (eo, e_lse) = decode_plan([400, 30, 30], 16, 1, group, 64, torch.float16, seed=8)
+        assert wrapper._core._plan_info["chunk"] < 400  # request 0 is split
+        bad = wrapper._core._plan_info["kv_indices"][0].clone()
+        bad[:25] = cache.shape[0] + 1  # all of request 0's pages
+        q = q.clone()
+        q[1, 0] = float("nan")
+        out, lse = run_attention(attention_lib, wrapper, q, cache, kv_indices=[bad])
+        assert out[0].isnan().all() and lse[0].isnan().all()
+        assert out[1, 0].isnan().all() and lse[1, 0].isnan()
+        check_attention(out[2], lse[2], eo[2], e_lse[2], torch.float16)
 
 
 @pytest.mark.parametrize("group", [1, 5])

@@ -226,6 +226,8 @@ def test_online_softmax(lib, tile):
         lse = np.logaddexp.reduce(x64)
         np.testing.assert_allclose(out[2], lse, rtol=1e-6, atol=1e-5)
         np.testing.assert_allclose(w, np.exp(x64 - lse), rtol=1e-5, atol=1e-7)
-    x = np.array([0.5, np.nan, 1.0], dtype=np.float32)
-    lib.fk_online_softmax(ptr(x), ctypes.c_int64(3), ctypes.c_int64(tile), ptr(out), ptr(np.empty(3, np.float32)))
-    assert np.isnan(out[2]), "a NaN logit makes the state NaN"
+    for x in ([0.5, np.nan, 1.0], [np.nan, np.nan], [-np.inf, np.nan, -np.inf]):  # also where every max skips it
+        x = np.array(x, dtype=np.float32)
+        lib.fk_online_softmax(ptr(x), ctypes.c_int64(x.size), ctypes.c_int64(tile), ptr(out),
+                              ptr(np.empty(x.size, np.float32)))
+        assert np.isnan(out[2]), f"a NaN logit makes the state NaN: {x} -> {out}"

@@ -564,9 +564,13 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
                         workspace.device() == q_in.device(),
                     op, ": workspace must be a contiguous 1-D uint8 tensor on ", q_in.device());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(workspace.const_data_ptr()) % 16 == 0, op,
+                    ": workspace must start on a 16-byte boundary");
   TORCH_CHECK_VALUE(out.scalar_type() == q_in.scalar_type() && out.sizes() == q_in.sizes() && out.is_contiguous() &&
                         out.device() == q_in.device(),
                     op, ": out must be a contiguous ", q_in.scalar_type(), " tensor of shape ", q_in.sizes());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 16 == 0, op,
+                    ": out must start on a 16-byte boundary");
   TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == q_in.sizes().slice(0, 2) && lse.is_contiguous() &&
                         lse.device() == q_in.device(),
                     op, ": lse must be a contiguous float32 tensor of shape ", q_in.sizes().slice(0, 2));
@@ -577,7 +581,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   if (batch == 0) return;
 
   const c10::DeviceGuard guard(q_in.device());
-  const Tensor q = aligned16(q_in) ? q_in : q_in.contiguous();  // q is small: copy a misaligned view
+  // q is small: a misaligned view is copied (contiguous() alone would keep a contiguous misaligned one)
+  const Tensor q = aligned16(q_in) ? q_in : at::empty(q_in.sizes(), q_in.options()).copy_(q_in);
   const fk::WorkspaceLayout layout = fk::workspace_layout(workspace.numel(), batch, qo_heads, head_dim);
   uint8_t* base = workspace.data_ptr<uint8_t>();
   fk::BatchAttentionParams p{};

@@ -12,7 +12,7 @@ Order in this file: the shared wrapper base, CPU reference registration, fake fu
 import torch
 
 from . import _C, _backend, ref
-from ._validate import ATTENTION_DTYPES, check_batch_attention, check_head_dim, check_tensor
+from ._validate import ATTENTION_DTYPES, check_aligned, check_batch_attention, check_head_dim, check_tensor
 
 _ops = torch.ops.flashkern
 
@@ -96,6 +96,7 @@ class PagedAttention:
                 f"{op}: workspace_buffer must be a contiguous 1-D uint8 tensor, got {workspace_buffer.dtype} "
                 f"of shape {tuple(workspace_buffer.shape)}"
             )
+        check_aligned(op, "workspace_buffer", workspace_buffer, 16)
         check_kv_layout(op, kv_layout)
         self._workspace = workspace_buffer
         self._device = workspace_buffer.device
@@ -187,6 +188,8 @@ class PagedAttention:
         self._num_pages = k.shape[0]
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
+        for name, t in (("out", out), ("lse", lse)):
+            check_tensor(op, name, t)
         if _backend.use_reference(q.device):
             check_batch_attention(op, q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], info["sm_scale"])
             o, s = _reference(q, k, v, info["kv_indices"], self._workspace, info["sm_scale"])
@@ -223,4 +226,5 @@ def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, g
 
 @torch.library.register_fake("flashkern::batch_attention")
 def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
-    check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale)
+    check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
+                          addresses=False)

@@ -192,11 +192,18 @@ def check_head_dim(op, head_dim):
         raise ValueError(f"{op}: head_dim must be 64, 128 or 256, got {head_dim}")
 
 
-def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
+def check_aligned(op, name, t, alignment):
+    """The kernels read plans and write results 16 bytes at a time."""
+    if t.data_ptr() % alignment:
+        raise ValueError(f"{op}: {name} must start on a {alignment}-byte boundary")
+
+
+def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, addresses=True):
     """torch.ops.flashkern.batch_attention's arguments: q [batch, qo_heads, D], k_cache and v_cache
     [pages, page_size, kv_heads, D] (any strides, D contiguous), kv_indices a list of 1-D int32
     tensors, a uint8 workspace, out [batch, qo_heads, D] and lse [batch, qo_heads] float32, both
-    contiguous, grid four non-negative ints, a finite sm_scale."""
+    contiguous, grid four non-negative ints, a finite sm_scale. addresses=False (fake tensors, which
+    have none): skip the alignment of workspace and out."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("workspace", workspace), ("out", out),
                     ("lse", lse)):
         check_tensor(op, name, t)
@@ -228,8 +235,12 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
             raise ValueError(f"{op}: kv_indices[{i}] must be 1-D on {q.device}, got shape {tuple(t.shape)} on {t.device}")
     if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous() or workspace.device != q.device:
         raise ValueError(f"{op}: workspace must be a contiguous 1-D uint8 tensor on {q.device}")
+    if addresses:
+        check_aligned(op, "workspace", workspace, 16)
     if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or not out.is_contiguous() or out.device != q.device:
         raise ValueError(f"{op}: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    if addresses:
+        check_aligned(op, "out", out, 16)
     if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]) or not lse.is_contiguous() or lse.device != q.device:
         raise ValueError(f"{op}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:2])} on {q.device}")
     if len(grid) != 4 or any(int(g) < 0 for g in grid):

@@ -2,7 +2,7 @@
 
 import torch
 
-from . import _backend, activation, attention, norm, ref, rope
+from . import _backend, activation, attention, cascade, decode, norm, ref, rope
 from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
 
@@ -71,6 +71,44 @@ def _merge_cases(device, dtype, gen):
     )
 
 
+def _paged_attention_cases(device, dtype, gen):
+    """Batch decode (GQA groups 4 and 8: both kernels), a two-level cascade and a single request, on a
+    shuffled paged cache, against the float64 references."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return
+    kv_heads, head_dim, page_size, lengths = 2, 128, 16, [1, 37, 0, 600]
+    pages = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages) + 2
+    cache = _rand((num_pages, 2, page_size, kv_heads, head_dim), dtype, device, gen)
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    indices = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(torch.int32)
+    indptr = i32([0] + torch.tensor(pages).cumsum(0).tolist())
+    last = i32([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)])
+    workspace = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    for group in (4, 8):
+        q = _rand((len(lengths), kv_heads * group, head_dim), dtype, device, gen)
+        wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(workspace)
+        wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
+        out, lse = wrapper.run(q, cache, return_lse=True)
+        e_out, e_lse = ref.batch_decode(q.double(), cache.double(), indptr, indices, last)
+        yield f"batch_decode (group {group})", tuple(q.shape), torch.cat([out.double().flatten(), lse.double().flatten()]), \
+            torch.cat([e_out.flatten(), e_lse.flatten()])
+    # level 0: request 3's pages shared by all four requests; level 1: each request's own pages
+    shared = (i32([0, 4]), i32([0, pages[3]]), indices[indptr[3] :], last[3:])
+    own = (i32([0, 1, 2, 3, 4]), indptr, indices, last)
+    levels = [list(t) for t in zip(shared, own)]
+    wrapper = cascade.MultiLevelCascadeAttentionWrapper(2, workspace)
+    wrapper.plan(*levels, kv_heads * 4, kv_heads, head_dim, page_size, q_data_type=dtype)
+    q = _rand((4, kv_heads * 4, head_dim), dtype, device, gen)
+    out = wrapper.run(q, cache)
+    yield "cascade (2 levels)", tuple(q.shape), out.double().flatten(), ref.cascade_decode(q.double(), cache.double(), *levels)[0].flatten()
+    k, v = cache[indices[indptr[3] :].long()].transpose(0, 1).flatten(1, 2)[:, :600]
+    q1 = q[0]
+    out = decode.single_decode_with_kv_cache(q1, k, v)
+    e = ref.decode_attention(q1.double(), k.double(), v.double())[0]
+    yield "single_decode_with_kv_cache", tuple(q1.shape), out.double().flatten(), e.flatten()
+
+
 def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list:
     """Rows of (op, device, backend, dtype, shape, max abs error, passed), one per case."""
     if devices is None:
@@ -80,7 +118,9 @@ def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -
     for device in devices:
         backend = _backend.backend_for(torch.device(device))
         for dtype in dtypes:
-            for op, shape, actual, expected in [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen), *_merge_cases(device, dtype, gen)]:
+            cases = [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen), *_merge_cases(device, dtype, gen),
+                     *_paged_attention_cases(device, dtype, gen)]
+            for op, shape, actual, expected in cases:
                 actual = actual.double().cpu()
                 expected = expected.cpu()
                 tol = tolerance(dtype)

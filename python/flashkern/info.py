@@ -15,6 +15,7 @@ OPS = (
     "act_mul",
     "apply_rope (all variants)",
     "merge_state, merge_states",
+    "batch decode, cascade, single decode",
 )
 
 

@@ -8,6 +8,7 @@
 using fk::DType;
 using fk::RowLayout;
 
+#pragma GCC visibility push(default)  // the library is built with hidden visibility; these are its interface
 extern "C" {
 
 void emu_set_warp_size(int warp_size) { fk::emu::warp_size = warp_size; }
@@ -114,3 +115,4 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
 }
 
 }  // extern "C"
+#pragma GCC visibility pop

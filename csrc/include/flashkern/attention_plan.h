@@ -52,6 +52,8 @@ struct PlanResult {
   bool needs_merge = false;
 };
 
+inline constexpr int64_t kMaxKvLength = int64_t(1) << 30;
+
 namespace plan_detail {
 
 struct Entry {  // a group with queries and KV at one level
@@ -119,9 +121,9 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
         return fail(last + "[" + std::to_string(j) + "] must be 0 for a request without pages, got " +
                     std::to_string(lp));
       const int64_t length = pages > 0 ? (pages - 1) * s.page_size + lp : 0;
-      if (length >= (int64_t(1) << 31))
+      if (length >= kMaxKvLength)  // room for the kernels' look-ahead past a chunk in int32
         return fail("request " + std::to_string(j) + " of " + kv + " has " + std::to_string(length) +
-                    " tokens; at most 2^31 - 1 are supported");
+                    " tokens; at most 2^30 - 1 are supported");
       if (length == 0 || q1 == q0) continue;  // nothing to attend to, or nobody attending: no state
       Entry e{int32_t(l), int32_t(q0), int32_t(q1 - q0), int32_t(p0), length, AttentionKind::tile64, 1};
       const int64_t rows = e.n_q * s.group_size;

@@ -31,14 +31,16 @@ FK_HOST_DEVICE MergeWeights merge_weights(float s_a, float s_b) {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-// exp2(x - m) for a weight relative to the running maximum m; an all-masked state (m = -inf)
-// gives 0 instead of exp2(-inf + inf) = NaN.
-FK_HOST_DEVICE float softmax_weight(float x, float m) { return m == -INFINITY ? 0.f : exp2f(x - m); }
+// exp2(x - m) for a weight relative to the running maximum m. While everything seen is masked
+// (m = -inf) the reference is 0 instead: a masked logit weighs 0 instead of exp2(-inf + inf) = NaN,
+// and a NaN logit still weighs NaN, so it reaches l and the values even when the maxima (fmaxf)
+// skipped it. The select is on m only, so it leaves the loop over logits.
+FK_HOST_DEVICE float softmax_weight(float x, float m) { return exp2f(x - (m == -INFINITY ? 0.f : m)); }
 
 // Raises the running maximum m to include `tile_max` and returns the factor exp2(m_old - m_new)
 // by which l and the accumulated values must be multiplied (1 while everything is masked).
 FK_HOST_DEVICE float softmax_rescale(float& m, float tile_max) {
-  const float m_new = m > tile_max ? m : tile_max;  // a NaN logit reaches l and v through its weight
+  const float m_new = m > tile_max ? m : tile_max;
   const float alpha = softmax_weight(m, m_new);
   m = m_new;
   return m_new == -INFINITY ? 1.f : alpha;

@@ -67,6 +67,19 @@ inline std::vector<const void*> pointer_slots;           // ldmatrix row address
 inline std::vector<uint8_t> dynamic_shared;              // FK_DYNAMIC_SHARED
 inline int warp_size = 32;  // what the emulated device reports: 64 exercises the HIP launchers' wave64 kernels
 
+// A thread's asynchronous copies (platform.h: cp_async16), committed groups oldest first.
+struct AsyncCopy {
+  void* dst;
+  uint8_t bytes[16];
+};
+inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;
+inline thread_local std::vector<AsyncCopy> async_open;  // not committed yet
+inline bool copies_in_flight() {
+  for (const auto& group : async_groups)
+    if (!group.empty()) return true;
+  return !async_open.empty();
+}
+
 inline unsigned linear_thread() { return thread_idx.x + block_dim.x * (thread_idx.y + block_dim.y * thread_idx.z); }
 inline unsigned block_threads() { return block_dim.x * block_dim.y * block_dim.z; }
 inline void warp_sync() { warp_barrier->arrive_and_wait(); }
@@ -109,6 +122,7 @@ struct Launcher {
             for (unsigned bx = 0; bx < grid.x; ++bx) {
               block_idx = dim3(bx, by, bz);
               kernel(args...);
+              if (copies_in_flight()) fail("a block ended with cp.async copies not waited for");
               barrier.arrive_and_wait();  // the whole block is done before the next one starts
             }
       });
@@ -180,17 +194,31 @@ int gpuMaxActiveBlocksPerSM(Kernel, int) {
 }  // namespace fk
 
 // ---- platform.h's asynchronous copies (done at once) and warp matrix instructions ----
+// Emulating a CUDA build, a copy lands only when a cp_async_wait of its thread retires its group;
+// until then its destination holds 0xff bytes (NaN as fp16 and bf16), so a read that a missing
+// wait or barrier leaves too early shows up. Emulating HIP, it is done at once, as on AMD.
 namespace fk {
 inline void cp_async16(void* smem, const void* gmem, bool valid) {
-  if (valid) {
-    std::memcpy(smem, gmem, 16);
-  } else {
-    std::memset(smem, 0, 16);
+  emu::AsyncCopy copy{smem, {}};
+  if (valid) std::memcpy(copy.bytes, gmem, 16);
+#if defined(FK_EMULATE_HIP)
+  std::memcpy(smem, copy.bytes, 16);
+#else
+  std::memset(smem, 0xff, 16);
+  emu::async_open.push_back(copy);
+#endif
+}
+inline void cp_async_commit() {
+  emu::async_groups.push_back(std::move(emu::async_open));
+  emu::async_open.clear();
+}
+template <int kPending>
+void cp_async_wait() {
+  while (emu::async_groups.size() > size_t(kPending)) {
+    for (const emu::AsyncCopy& c : emu::async_groups.front()) std::memcpy(c.dst, c.bytes, 16);
+    emu::async_groups.erase(emu::async_groups.begin());
   }
 }
-inline void cp_async_commit() {}
-template <int kPending>
-void cp_async_wait() {}
 
 namespace emu {
 inline uint16_t half_word(uint32_t w, int i) { return uint16_t(w >> (16 * i)); }

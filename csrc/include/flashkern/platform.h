@@ -12,6 +12,8 @@
 //   FK_LAUNCH(kernel, grid, block, stream)(args...)
 //   FK_LAUNCH_SMEM(kernel, grid, block, dynamic_shared_bytes, stream)(args...)
 //                                              launch on a stream (emulate.h: on host threads)
+//   FK_LAUNCH_BOUNDS(threads, min_blocks)      __launch_bounds__ with an occupancy target on CUDA
+//                                              (HIP reads the second number differently: threads only)
 //   FK_DYNAMIC_SHARED(name)                    the block's dynamic shared memory, as uint8_t* name
 //   fk::gpuSetMaxDynamicShared(kernel, bytes)  allow more than 48 KB of it (CUDA needs the opt-in)
 //   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
@@ -140,6 +142,14 @@ inline constexpr bool kHipBuild = false;
   uint8_t* name = fk_dynamic_shared
 #endif
 
+// Without a block count ptxas may cap registers below what the threads allow and spill; with one
+// the cap is 65536 / (threads * min_blocks).
+#if defined(FK_CUDA)
+#define FK_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#else
+#define FK_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads)
+#endif
+
 #if defined(FK_CUDA)
 template <typename Kernel>
 gpuError_t gpuSetMaxDynamicShared(Kernel kernel, int bytes) {
@@ -176,11 +186,11 @@ FK_DEVICE void store16(void* p, uint4 v) {
 // of a HIP fat binary; on a target of the other width its body is dead and becomes a trap, so
 // each target carries real code only for its own width (host code picks the width at run time).
 // Both spellings fold to a constant per target, so a plain `if` leaves no dead code behind: the
-// macro (clang up to 19: ROCm 5.2 here) and the builtin that replaces it in newer clang.
-#if defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
-#define FK_WARP_SIZE_MISMATCH(kWarp) ((kWarp) != __AMDGCN_WAVEFRONT_SIZE)
-#elif defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__)
+// builtin first, the macro (deprecated in clang 20, gone later) for a clang without it.
+#if defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__) && __has_builtin(__builtin_amdgcn_wavefrontsize)
 #define FK_WARP_SIZE_MISMATCH(kWarp) ((kWarp) != __builtin_amdgcn_wavefrontsize())
+#elif defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__)
+#define FK_WARP_SIZE_MISMATCH(kWarp) ((kWarp) != __AMDGCN_WAVEFRONT_SIZE)
 #else
 #define FK_WARP_SIZE_MISMATCH(kWarp) false
 #endif
@@ -212,8 +222,9 @@ FK_DEVICE uint16_t float_to_half_bits(float f) { return __builtin_bit_cast(uint1
 // of its groups are still in flight, and then its own copies are visible to itself (other
 // threads need a barrier too). Without cp.async (HIP, emulation) the copy is done at once.
 // kAsyncCopy is the same in every compilation pass, so tile shapes that depend on it agree
-// between the host code that sizes a launch and the device code.
-#if defined(FK_CUDA)
+// between the host code that sizes a launch and the device code. The emulation of a CUDA build
+// has it too: emulate.h lands each thread's copies only when its cp_async_wait retires them.
+#if defined(FK_CUDA) || (defined(FK_EMU) && !defined(FK_EMULATE_HIP))
 inline constexpr bool kAsyncCopy = true;
 #else
 inline constexpr bool kAsyncCopy = false;
@@ -223,20 +234,21 @@ inline constexpr bool kAsyncCopy = false;
 FK_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
 #if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
 #else
   *static_cast<uint4*>(smem) = valid ? *static_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
 #endif
 }
 FK_DEVICE void cp_async_commit() {
 #if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 template <int kPending>
 FK_DEVICE void cp_async_wait() {
 #if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");  // shared reads stay after it
 #endif
 }
 #endif

@@ -72,7 +72,7 @@ struct KVTileLoader {
     v = static_cast<const T*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kVec16Bit;
     k_page = p.k_strides[0], k_slot = p.k_strides[1], v_page = p.v_strides[0], v_slot = p.v_strides[1];
     pages = level_indices(p, item.level) + item.page_begin;
-    num_pages = uint32_t(p.num_pages);
+    num_pages = uint32_t(p.num_pages < (int64_t(1) << 31) ? p.num_pages : int64_t(1) << 31);  // indices are int32
     kv_end = item.kv_end;
   }
 
@@ -153,7 +153,7 @@ struct StateSink {
 // The end of a block's work on an item whose rows' states are split over `n` parts (thread
 // groups that each saw part of the KV): part i of row r left o[i][r][:] (unnormalized, fp32) and
 // m[i][r], l[i][r] (base 2) in shared memory. The block merges them and writes each valid row
-// with `sink_of(r)`; poisoned: NaN. Threads take (row, 8-dim chunk) pairs.
+// with `sink_of(r)`; poisoned, or a NaN in any part: NaN. Threads take (row, 8-dim chunk) pairs.
 template <typename T, int kHeadDim, typename SinkOf>
 FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float* l, int n, int rows_stride, int rows,
                                      bool poisoned, SinkOf sink_of) {
@@ -161,7 +161,11 @@ FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float
   for (int i = threadIdx.x; i < rows * kChunks; i += blockDim.x) {
     const int r = i / kChunks, d = (i % kChunks) * kVec16Bit;
     float m_max = -INFINITY;
-    for (int j = 0; j < n; ++j) m_max = fmaxf(m_max, m[j * rows_stride + r]);
+    bool nan = poisoned;
+    for (int j = 0; j < n; ++j) {
+      m_max = fmaxf(m_max, m[j * rows_stride + r]);
+      nan |= l[j * rows_stride + r] != l[j * rows_stride + r];  // fmaxf would drop it
+    }
     float total = 0.f, acc[kVec16Bit] = {};
     for (int j = 0; j < n; ++j) {
       const float w = softmax_weight(m[j * rows_stride + r], m_max);
@@ -170,12 +174,12 @@ FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float
 #pragma unroll
       for (int e = 0; e < kVec16Bit; ++e) acc[e] += w * src[e];
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const float inv = total == 0.f ? 0.f : 1.f / total;
 #pragma unroll
-    for (int e = 0; e < kVec16Bit; ++e) acc[e] = poisoned ? NAN : acc[e] * inv;
+    for (int e = 0; e < kVec16Bit; ++e) acc[e] = nan ? NAN : acc[e] * inv;
     const StateSink<T> sink = sink_of(r);
     sink.store8(d, acc);
-    if (d == 0) sink.store_lse(poisoned ? NAN : state_lse(m_max, total));
+    if (d == 0) sink.store_lse(nan ? NAN : state_lse(m_max, total));
   }
 }
 

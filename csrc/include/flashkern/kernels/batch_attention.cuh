@@ -15,7 +15,7 @@ namespace fk {
 inline constexpr int kMergeBlock = 256;
 
 // Per (query, q head) with n != 1 states: s = log(sum_i exp(s_i)), v = sum_i exp(s_i - s) v_i over
-// its slots (natural log, fp32); no state: (0, -inf). A group of head_dim / 8 threads per row.
+// its slots (natural log, fp32); no state: (0, -inf); a NaN state: NaN. head_dim / 8 threads a row.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttentionParams p) {
   constexpr int kLanes = kHeadDim / kVec16Bit, kRowsPerBlock = kMergeBlock / kLanes;
@@ -29,12 +29,17 @@ __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttent
     const int begin = indptr[t], n = indptr[t + 1] - begin;
     if (n == 1) continue;  // written by the attention kernel
     float m = -INFINITY;
-    for (int i = 0; i < n; ++i) m = fmaxf(m, p.partial_s[int64_t(slots[begin + i]) * p.qo_heads + h]);
+    bool nan = false;  // fmaxf skips a NaN state: carry it explicitly
+    for (int i = 0; i < n; ++i) {
+      const float s = p.partial_s[int64_t(slots[begin + i]) * p.qo_heads + h];
+      m = fmaxf(m, s);
+      nan |= s != s;
+    }
     float total = 0.f, acc[kVec16Bit] = {};
     for (int i = 0; i < n; ++i) {
       const int64_t srow = int64_t(slots[begin + i]) * p.qo_heads + h;
       const float s = p.partial_s[srow];
-      const float w = m == -INFINITY ? 0.f : expf(s - m);  // a NaN state stays NaN
+      const float w = m == -INFINITY ? 0.f : expf(s - m);
       total += w;
       const float4* v = reinterpret_cast<const float4*>(p.partial_v + srow * kHeadDim + lane * kVec16Bit);
       const float4 a = v[0], b = v[1];
@@ -44,9 +49,9 @@ __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttent
     }
     Vec<T, kVec16Bit> out;
 #pragma unroll
-    for (int e = 0; e < kVec16Bit; ++e) out.set(e, total == 0.f ? 0.f : acc[e] / total);
+    for (int e = 0; e < kVec16Bit; ++e) out.set(e, nan ? NAN : total == 0.f ? 0.f : acc[e] / total);
     out.store(static_cast<T*>(p.out) + row * kHeadDim + lane * kVec16Bit);
-    if (lane == 0) p.lse[row] = total == 0.f ? -INFINITY : m + logf(total);
+    if (lane == 0) p.lse[row] = nan ? NAN : total == 0.f ? -INFINITY : m + logf(total);
   }
 }
 

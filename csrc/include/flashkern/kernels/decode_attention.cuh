@@ -31,7 +31,7 @@ struct DecodeShape {
 };
 
 template <typename T, int kHeadDim, int kGroup>
-__global__ void __launch_bounds__(128) decode_attention_kernel(BatchAttentionParams p) {
+__global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionParams p) {  // 4 blocks/SM
   using S = DecodeShape<kHeadDim>;
   using Loader = KVTileLoader<T, kHeadDim, S::kTile, S::kThreads, false>;
   FK_DYNAMIC_SHARED(smem);

@@ -133,20 +133,19 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
 
     if constexpr (S::kWide) {  // each warp writes its rows from its registers
 #pragma unroll
-      for (int f = 0; f < Warp::kOF; ++f)
-#pragma unroll
-        for (int e = 0; e < Warp::kOE; e += 2) {
-          const int slot = Warp::o_slot(f, e), r = wm * S::kWarpRows + tile.slot_row(slot);
-          if (r >= rows) continue;
-          const float inv = l[slot] > 0.f ? 1.f / l[slot] : 0.f;
-          sink_of(r).store2(tile.o_dim(f, e), any_poisoned ? NAN : tile.o[f][e] * inv,
-                            any_poisoned ? NAN : tile.o[f][e + 1] * inv);
-        }
-#pragma unroll
       for (int slot = 0; slot < kSlots; ++slot) {
         const int r = wm * S::kWarpRows + tile.slot_row(slot);
-        if (r < rows && tile.o_dim(0, kSlots == 2 ? 2 * slot : 0) == 0)
-          sink_of(r).store_lse(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
+        if (r < rows) {
+          const StateSink<T> sink = sink_of(r);
+          const float inv = any_poisoned ? NAN : l[slot] == 0.f ? 0.f : 1.f / l[slot];  // a NaN l stays NaN
+#pragma unroll
+          for (int f = 0; f < Warp::kOF; ++f)
+#pragma unroll
+            for (int e = 0; e < Warp::kOE; e += 2)
+              if (Warp::o_slot(f, e) == slot) sink.store2(tile.o_dim(f, e), tile.o[f][e] * inv, tile.o[f][e + 1] * inv);
+          if (tile.o_dim(0, kSlots == 2 ? 2 * slot : 0) == 0)
+            sink.store_lse(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
+        }
       }
     } else {  // the warps saw different tokens of the same rows: merge their states
       float* o_parts = reinterpret_cast<float*>(kv);
@@ -172,8 +171,13 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   }
 }
 
+// Blocks per SM: 2 for 64-row tiles (their registers and shared memory allow no more), 3 for the
+// 16-row tiles of decode with large GQA groups, which have less arithmetic to hide loads behind.
+template <int kItemRows>
+inline constexpr int kTileBlocksPerSM = kItemRows == 64 ? 2 : 3;
+
 template <typename T, int kHeadDim, int kItemRows, int kWarp>
-__global__ void __launch_bounds__((TileShape<kHeadDim, kItemRows, kWarp>::kThreads))
+__global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp>::kThreads), kTileBlocksPerSM<kItemRows>)
     multi_query_attention_kernel(BatchAttentionParams p) {
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
     trap();
