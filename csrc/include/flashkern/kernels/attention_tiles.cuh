@@ -40,17 +40,19 @@ FK_DEVICE int tile_offset(int row, int d) {
   return row * kHeadDim + kVec16Bit * (kSwizzle ? chunk ^ (row & 7) : chunk) + d % kVec16Bit;
 }
 
-// Streams [kRows, kHeadDim] tiles of K and V of one KV head into shared memory, 16 bytes per copy:
-// thread i copies column chunk i % kChunks of rows i / kChunks + j * kRowsPerPass. The pages of
-// the tile to be copied next are looked up one tile ahead, so that the index loads are off the
-// copies' critical path. A row past the chunk's end is zero-filled (a zero value times a zero
-// weight keeps the accumulators finite); a page index outside the cache zero-fills too and sets
-// `poisoned`, and the kernel then writes NaN for the query instead of reading out of bounds.
-template <typename T, int kHeadDim, int kRows, int kThreads, bool kSwizzle>
-struct KVTileLoader {
+// Streams one work item's KV chunk of one KV head through kStages shared-memory stages of
+// [kRows, kHeadDim] K and V tiles, 16 bytes per copy: thread i copies column chunk i % kChunks of
+// rows i / kChunks + j * kRowsPerPass. The pages of the tile to be copied next are looked up one
+// tile ahead, so that the index loads are off the copies' critical path. A row past the chunk's end
+// is zero-filled (a zero value times a zero weight keeps the accumulators finite); a page index
+// outside the cache zero-fills too and sets `poisoned`, and the kernel then writes NaN for the
+// query instead of reading out of bounds. The caller commits and waits (cp.async groups).
+template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle>
+struct KVPipeline {
   static constexpr int kChunks = kHeadDim / kVec16Bit;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPasses = kRows / kRowsPerPass;
+  static constexpr int kStageElems = 2 * kRows * kHeadDim;  // K, then V
   static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass, whole passes per tile");
 
   const T* k;  // this KV head's K and V, chunk column included
@@ -59,13 +61,15 @@ struct KVTileLoader {
   const int32_t* pages;                     // the group's entries of kv_indices
   Divmod page_size;
   uint32_t num_pages;
-  int kv_end;
+  int kv_begin, kv_end;
   int chunk, row0;
-  int next;                 // the first token of the tile that the next issue() copies
+  int next;                 // the first token of the tile that the next copy() copies
   int32_t page[kPasses];    // its pages, row by row; -1: past the chunk's end
+  T* stages;                // kStages x kStageElems in shared memory
+  bool poisoned = false;    // a page outside the cache was named
 
-  FK_DEVICE KVTileLoader(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid)
-      : page_size(p.page_div) {
+  FK_DEVICE KVPipeline(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid, T* stages_)
+      : page_size(p.page_div), stages(stages_) {
     chunk = tid % kChunks;
     row0 = tid / kChunks;
     k = static_cast<const T*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kVec16Bit;
@@ -73,7 +77,28 @@ struct KVTileLoader {
     k_page = p.k_strides[0], k_slot = p.k_strides[1], v_page = p.v_strides[0], v_slot = p.v_strides[1];
     pages = level_indices(p, item.level) + item.page_begin;
     num_pages = uint32_t(p.num_pages < (int64_t(1) << 31) ? p.num_pages : int64_t(1) << 31);  // indices are int32
-    kv_end = item.kv_end;
+    kv_begin = item.kv_begin, kv_end = item.kv_end;
+  }
+
+  FK_DEVICE int tiles() const { return int(ceil_div(kv_end - kv_begin, kRows)); }
+  FK_DEVICE const T* k_tile(int tile) const { return stages + (tile % kStages) * kStageElems; }
+  FK_DEVICE const T* v_tile(int tile) const { return k_tile(tile) + kRows * kHeadDim; }
+
+  // Looks up tile 0 and copies the first kStages - 1 tiles, a commit group each.
+  FK_DEVICE void start() {
+    lookup(kv_begin);
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < tiles()) copy(s);
+      cp_async_commit();
+    }
+  }
+
+  // Copies `tile` (the next one in order) into its stage and looks up the pages of the one after.
+  FK_DEVICE void copy(int tile) {
+    T* k = stages + (tile % kStages) * kStageElems;
+    issue(k, k + kRows * kHeadDim);
+    lookup(kv_begin + (tile + 1) * kRows);
   }
 
   // Looks up the pages of the tile starting at token `start` (the next one to issue).
@@ -87,7 +112,7 @@ struct KVTileLoader {
   }
 
   // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each).
-  FK_DEVICE void issue(T* k_tile, T* v_tile, bool& poisoned) {
+  FK_DEVICE void issue(T* k_tile, T* v_tile) {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;

@@ -22,9 +22,8 @@ struct DecodeShape {
   static constexpr int kTokensPerSubwarp = 4;                  // per tile: independent loads in flight
   static constexpr int kTile = kSubwarps * kTokensPerSubwarp;  // 64, 32, 16 tokens
   static constexpr int kStages = kAsyncCopy ? 3 : 1;
-  static constexpr int kStageElems = 2 * kTile * kHeadDim;     // K and V
   static FK_HOST_DEVICE constexpr int shared_bytes(int group) {
-    const int tiles = kStages * kStageElems * 2;
+    const int tiles = kStages * 2 * kTile * kHeadDim * 2;  // K and V, 16-bit
     const int merge = kSubwarps * group * (kHeadDim + 2) * 4;  // o, m, l of every sub-warp
     return tiles > merge ? tiles : merge;
   }
@@ -33,9 +32,8 @@ struct DecodeShape {
 template <typename T, int kHeadDim, int kGroup>
 __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionParams p) {  // 4 blocks/SM
   using S = DecodeShape<kHeadDim>;
-  using Loader = KVTileLoader<T, kHeadDim, S::kTile, S::kThreads, false>;
+  using Pipeline = KVPipeline<T, kHeadDim, S::kTile, S::kThreads, S::kStages, false>;
   FK_DYNAMIC_SHARED(smem);
-  T* tiles = reinterpret_cast<T*>(smem);  // stage s: K at s * kStageElems, V kTile rows further
   const int lane = threadIdx.x % S::kLanes, sub = threadIdx.x / S::kLanes, kv_head = blockIdx.y;
   const float scale = p.sm_scale * kLog2e;
   const int count = plan_header(p).count[int(AttentionKind::decode)];
@@ -53,26 +51,15 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
       m[h] = -INFINITY, l[h] = 0.f;
     }
 
-    Loader loader(p, item, kv_head, threadIdx.x);
-    bool poisoned = false;
-    const int tiles_n = int(ceil_div(item.kv_end - item.kv_begin, S::kTile));
-    auto issue = [&](int tile) {  // copy `tile`, look up the pages of the next one
-      T* k_tile = tiles + (tile % S::kStages) * S::kStageElems;
-      loader.issue(k_tile, k_tile + S::kTile * kHeadDim, poisoned);
-      loader.lookup(item.kv_begin + (tile + 1) * S::kTile);
-    };
-    loader.lookup(item.kv_begin);
-#pragma unroll
-    for (int s = 0; s < S::kStages - 1; ++s) {
-      if (s < tiles_n) issue(s);
-      cp_async_commit();
-    }
+    Pipeline kv(p, item, kv_head, threadIdx.x, reinterpret_cast<T*>(smem));
+    kv.start();
+    const int tiles_n = kv.tiles();
     for (int it = 0; it < tiles_n; ++it) {
-      if (it + S::kStages - 1 < tiles_n) issue(it + S::kStages - 1);
+      if (it + S::kStages - 1 < tiles_n) kv.copy(it + S::kStages - 1);
       cp_async_commit();
       cp_async_wait<S::kStages - 1>();  // this thread's copies of tile `it` have landed
-      const T* k_tile = tiles + (it % S::kStages) * S::kStageElems;
-      const T* v_tile = k_tile + S::kTile * kHeadDim;
+      const T* k_tile = kv.k_tile(it);
+      const T* v_tile = kv.v_tile(it);
       float x[S::kTokensPerSubwarp][kGroup];
 #pragma unroll
       for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
@@ -125,7 +112,7 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
 
     // Merge the sub-warps: part = sub-warp, row = head of the group.
     cp_async_wait<0>();
-    const bool any_poisoned = __syncthreads_or(poisoned);  // also: every thread is done with the tiles
+    const bool any_poisoned = __syncthreads_or(kv.poisoned);  // also: every thread is done with the tiles
     float* o_parts = reinterpret_cast<float*>(smem);
     float* m_parts = o_parts + S::kSubwarps * kGroup * kHeadDim;
     float* l_parts = m_parts + S::kSubwarps * kGroup;

@@ -38,7 +38,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   using S = TileShape<kHeadDim, kItemRows, kWarp>;
   using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>()>;
   static_assert(Warp::kRows == S::kWarpRows, "the warp tile has the rows the shape planned for");
-  using Loader = KVTileLoader<T, kHeadDim, S::kTileN, S::kThreads, true>;
+  using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true>;
   constexpr AttentionKind kKind = S::kWide ? AttentionKind::tile64 : AttentionKind::tile16;
   constexpr int kChunks = kHeadDim / kVec16Bit, kSlots = Warp::kRowSlots;
   FK_DYNAMIC_SHARED(smem);
@@ -61,20 +61,9 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
       cp_async16(q_tile + swizzled<kHeadDim>(r, d), src, r < rows);
     }
 
-    Loader loader(p, item, kv_head, threadIdx.x);
-    bool poisoned = false;
-    const int tiles_n = int(ceil_div(item.kv_end - item.kv_begin, S::kTileN));
-    auto issue = [&](int tile) {
-      T* k_tile = kv + (tile % S::kStages) * S::kStageElems;
-      loader.issue(k_tile, k_tile + S::kTileN * kHeadDim, poisoned);
-      loader.lookup(item.kv_begin + (tile + 1) * S::kTileN);
-    };
-    loader.lookup(item.kv_begin);
-#pragma unroll
-    for (int s = 0; s < S::kStages - 1; ++s) {
-      if (s < tiles_n) issue(s);
-      cp_async_commit();  // the first group carries q too
-    }
+    Pipeline pipe(p, item, kv_head, threadIdx.x, kv);
+    pipe.start();  // the first commit group carries q too
+    const int tiles_n = pipe.tiles();
 
     Warp tile(lane);
     float m[kSlots], l[kSlots];  // l: this lane's share until the end
@@ -84,15 +73,15 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
       if constexpr (S::kStages > 1) {
         cp_async_wait<S::kStages - 2>();
         __syncthreads();  // tile `it` has landed for every thread, and every warp is done with tile it - 1
-        if (it + S::kStages - 1 < tiles_n) issue(it + S::kStages - 1);
+        if (it + S::kStages - 1 < tiles_n) pipe.copy(it + S::kStages - 1);
         cp_async_commit();
       } else {
         __syncthreads();  // every warp is done with the previous tile
-        issue(it);
+        pipe.copy(it);
         __syncthreads();
       }
-      const T* k_tile = kv + (it % S::kStages) * S::kStageElems + wn * S::kWarpTokens * kHeadDim;
-      const T* v_tile = k_tile + S::kTileN * kHeadDim;
+      const T* k_tile = pipe.k_tile(it) + wn * S::kWarpTokens * kHeadDim;  // this warp's tokens
+      const T* v_tile = pipe.v_tile(it) + wn * S::kWarpTokens * kHeadDim;
       tile.scores(q_tile + wm * S::kWarpRows * kHeadDim, k_tile);
       const int token0 = item.kv_begin + it * S::kTileN + wn * S::kWarpTokens;
       float tile_max[kSlots];
@@ -128,7 +117,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
 #pragma unroll
     for (int r = 0; r < kSlots; ++r) l[r] = Warp::row_sum(l[r]);
     cp_async_wait<0>();
-    const bool any_poisoned = __syncthreads_or(poisoned);  // also: every warp is done with q and the tiles
+    const bool any_poisoned = __syncthreads_or(pipe.poisoned);  // also: every warp is done with q and the tiles
     auto sink_of = [&](int r) { return StateSink<T>(p, query_of(r), head_of(r), item.slot_begin + query_of(r) - item.q_begin); };
 
     if constexpr (S::kWide) {  // each warp writes its rows from its registers

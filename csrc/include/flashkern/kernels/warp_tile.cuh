@@ -31,6 +31,14 @@ FK_DEVICE uint32_t pack2(float a, float b) {  // element 0 in the low half, as t
   return x.w[0];
 }
 
+template <int F, int E>
+FK_DEVICE void zero(float (&a)[F][E]) {
+#pragma unroll
+  for (int f = 0; f < F; ++f)
+#pragma unroll
+    for (int e = 0; e < E; ++e) a[f][e] = 0.f;
+}
+
 template <int kHeadDim>
 FK_DEVICE int swizzled(int row, int d) {
   return tile_offset<kHeadDim, true>(row, d);
@@ -49,12 +57,7 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mma_sync> {
   float o[kOF][kOE];
   int lane;
 
-  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) {
-#pragma unroll
-    for (int f = 0; f < kOF; ++f)
-#pragma unroll
-      for (int e = 0; e < kOE; ++e) o[f][e] = 0.f;
-  }
+  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) { zero(o); }
   FK_DEVICE int slot_row(int slot) const { return lane / 4 + 8 * slot; }
   static FK_HOST_DEVICE constexpr int s_slot(int, int e) { return e / 2; }
   FK_DEVICE int s_token(int f, int e) const { return 8 * f + 2 * (lane % 4) + e % 2; }
@@ -70,10 +73,7 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mma_sync> {
   }
 
   FK_DEVICE void scores(const T* q, const T* k) {
-#pragma unroll
-    for (int f = 0; f < kSF; ++f)
-#pragma unroll
-      for (int e = 0; e < kSE; ++e) s[f][e] = 0.f;
+    zero(s);
     const int r8 = lane % 8, m = lane / 8;  // lane gives row r8 of 8x8 matrix m
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -144,12 +144,7 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mfma> : RowPerLane<kWar
   float o[kOF][kOE];
   int lane;
 
-  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) {
-#pragma unroll
-    for (int f = 0; f < kOF; ++f)
-#pragma unroll
-      for (int e = 0; e < kOE; ++e) o[f][e] = 0.f;
-  }
+  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) { zero(o); }
   FK_DEVICE int slot_row(int) const { return lane % 16; }
   static FK_HOST_DEVICE constexpr int s_slot(int, int) { return 0; }
   FK_DEVICE int s_token(int f, int e) const { return 16 * f + 4 * (lane / 16) + e; }
@@ -157,10 +152,7 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mfma> : RowPerLane<kWar
   FK_DEVICE int o_dim(int f, int e) const { return 16 * f + 4 * (lane / 16) + e; }
 
   FK_DEVICE void scores(const T* q, const T* k) {
-#pragma unroll
-    for (int f = 0; f < kSF; ++f)
-#pragma unroll
-      for (int e = 0; e < kSE; ++e) s[f][e] = 0.f;
+    zero(s);
     const int c = lane % 16, d4 = 4 * (lane / 16);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -206,12 +198,7 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::simt> : RowPerLane<kWar
   float o[kOF][kOE];
   int lane;
 
-  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) {
-#pragma unroll
-    for (int f = 0; f < kOF; ++f)
-#pragma unroll
-      for (int e = 0; e < kOE; ++e) o[f][e] = 0.f;
-  }
+  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) { zero(o); }
   FK_DEVICE int slot_row(int) const { return lane % kRows; }
   static FK_HOST_DEVICE constexpr int s_slot(int, int) { return 0; }
   FK_DEVICE int s_token(int f, int e) const { return 16 * f + kG * e + lane / kRows; }
@@ -220,10 +207,7 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::simt> : RowPerLane<kWar
 
   // One 16-byte column of q and of every token's k at a time: few loads in flight, no spills.
   FK_DEVICE void scores(const T* q, const T* k) {
-#pragma unroll
-    for (int f = 0; f < kSF; ++f)
-#pragma unroll
-      for (int e = 0; e < kSE; ++e) s[f][e] = 0.f;
+    zero(s);
 #pragma unroll 1
     for (int d = 0; d < kHeadDim; d += kVec16Bit) {
       Vec<T, kVec16Bit> x;
