@@ -520,7 +520,8 @@ std::tuple<Tensor, Tensor> merge_states(const Tensor& v, const Tensor& s) {
 
 // ---- batch attention over a paged KV cache ----
 
-bool aligned16(const Tensor& t) {
+// 16-byte aligned start and rows (every stride but the last a multiple of 8 elements).
+bool rows_aligned16(const Tensor& t) {
   bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   return ok;
@@ -548,7 +549,7 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                     ") must be a multiple of num_kv_heads (", kv_heads, ")");
   TORCH_CHECK_VALUE(page_size > 0 && page_size < (int64_t(1) << 31), op, ": page_size must be in [1, 2^31), got ",
                     page_size);
-  TORCH_CHECK_VALUE(aligned16(k_cache) && aligned16(v_cache), op,
+  TORCH_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache), op,
                     ": paged_kv_cache must start on a 16-byte boundary and have strides that are multiples of 8 "
                     "elements (the kernels read it 16 bytes at a time), got strides ",
                     k_cache.strides());
@@ -582,7 +583,7 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
 
   const c10::DeviceGuard guard(q_in.device());
   // q is small: a misaligned view is copied (contiguous() alone would keep a contiguous misaligned one)
-  const Tensor q = aligned16(q_in) ? q_in : at::empty(q_in.sizes(), q_in.options()).copy_(q_in);
+  const Tensor q = rows_aligned16(q_in) ? q_in : at::empty(q_in.sizes(), q_in.options()).copy_(q_in);
   const fk::WorkspaceLayout layout = fk::workspace_layout(workspace.numel(), batch, qo_heads, head_dim);
   uint8_t* base = workspace.data_ptr<uint8_t>();
   fk::BatchAttentionParams p{};

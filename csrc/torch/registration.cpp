@@ -107,9 +107,25 @@ static PyObject* workspace_layout(PyObject*, PyObject* args) {
                        (long long)w.partial_s_offset, (long long)w.partial_v_offset);
 }
 
+// _C.workspace_bytes(slots, batch, qo_heads, head_dim): a workspace with room for `slots` partial states
+static PyObject* workspace_bytes(PyObject*, PyObject* args) {
+  long long slots = 0, batch = 0, heads = 0, head_dim = 0;
+  if (!PyArg_ParseTuple(args, "LLLL", &slots, &batch, &heads, &head_dim)) return nullptr;
+  return PyLong_FromLongLong(fk::workspace_bytes(slots, batch, heads, head_dim));
+}
+
+// _C.attention_kind(queries, group_size): the kernel (0 decode, 1 tile16, 2 tile64) a group runs
+static PyObject* attention_kind(PyObject*, PyObject* args) {
+  long long queries = 0, group = 0;
+  if (!PyArg_ParseTuple(args, "LL", &queries, &group)) return nullptr;
+  return PyLong_FromLong(long(fk::attention_kind(queries, group)));
+}
+
 static PyMethodDef methods[] = {
     {"plan_attention", plan_attention, METH_VARARGS, "Plan batch attention over a paged KV cache (host)."},
     {"workspace_layout", workspace_layout, METH_VARARGS, "Where a plan and its partial states sit in a workspace."},
+    {"workspace_bytes", workspace_bytes, METH_VARARGS, "The workspace size for a number of partial states."},
+    {"attention_kind", attention_kind, METH_VARARGS, "The attention kernel a group of queries runs."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -120,5 +136,9 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (m == nullptr) return nullptr;
   PyModule_AddStringConstant(m, "BACKEND", FLASHKERN_BACKEND);  // "cuda", "hip" or "cpu"
   PyModule_AddStringConstant(m, "ARCHS", FLASHKERN_ARCHS);      // e.g. "80;90" or "gfx90a;gfx942"
+  PyModule_AddIntConstant(m, "MAX_LEVELS", fk::kMaxLevels);     // attention levels (kv_indices per launch)
+  PyModule_AddObject(m, "KIND_ROWS", Py_BuildValue("(iii)", fk::kind_rows(fk::AttentionKind::decode),
+                                                   fk::kind_rows(fk::AttentionKind::tile16),
+                                                   fk::kind_rows(fk::AttentionKind::tile64)));
   return m;
 }

@@ -18,8 +18,7 @@ _ops = torch.ops.flashkern
 
 MIN_CHUNK = 256  # tokens: split-KV never cuts a sequence finer
 CPU_CTA_BUDGET = 16  # the CPU runs plans through the reference; a small budget still splits long sequences
-KIND_DECODE, KIND_TILE16, KIND_TILE64 = 0, 1, 2  # attention_work.h: AttentionKind
-DECODE_MAX_GROUP = 4
+ALL_KINDS = {0, 1, 2}  # attention_work.h: AttentionKind (decode, tile16, tile64)
 
 
 def kv_cache_views(op, paged_kv_cache, kv_layout):
@@ -72,6 +71,20 @@ def reject_unsupported(op, **options):
     for name, value in options.items():
         if value != defaults[name] and not (name == "logits_soft_cap" and value == 0.0):
             raise ValueError(f"{op}: {name}={value!r} is not supported by flashkern (only {defaults[name]!r})")
+
+
+def check_buffer(op, name, buffer, device):
+    """A caller's fixed page-table buffer for CUDA graphs."""
+    check_tensor(op, name, buffer)
+    if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.device != device or not buffer.is_contiguous():
+        raise ValueError(f"{op}: {name} must be a contiguous 1-D int32 tensor on {device}")
+
+
+def fill_buffer(op, name, buffer, values):
+    """Copies a page-table array into the front of its fixed buffer (asynchronously, in stream order)."""
+    if values.shape[0] > buffer.shape[0]:
+        raise ValueError(f"{op}: {values.shape[0]} entries do not fit {name} ({buffer.shape[0]})")
+    buffer[: values.shape[0]].copy_(values, non_blocking=True)
 
 
 def host_int32(op, name, t, length=None):

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from . import _C
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)  # float64: the reference only, for gradcheck
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -184,7 +186,7 @@ def check_state(op, v_name, v, s_name, s, reference, stacked=False):
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)
-MAX_LEVELS = 8  # attention_work.h: kMaxLevels
+MAX_LEVELS = _C.MAX_LEVELS  # attention levels: kv_indices pointers travel in the kernels' parameters
 
 
 def check_head_dim(op, head_dim):

@@ -6,9 +6,16 @@ with each request's own KV through the attention states (natural-log LSE). Flash
 
 import torch
 
-from ._paged_attention import PagedAttention, attention_dtype, host_int32, reject_unsupported
+from ._paged_attention import (
+    ALL_KINDS,
+    PagedAttention,
+    attention_dtype,
+    check_buffer,
+    fill_buffer,
+    host_int32,
+    reject_unsupported,
+)
 from ._validate import MAX_LEVELS, check_tensor
-from .decode import _check_buffer
 
 
 class MultiLevelCascadeAttentionWrapper:
@@ -45,7 +52,7 @@ class MultiLevelCascadeAttentionWrapper:
                 if buffers is None or len(buffers) != num_levels:
                     raise ValueError(f"{op}: use_cuda_graph=True needs {name}, one fixed int32 buffer per level")
                 for i, buffer in enumerate(buffers):
-                    _check_buffer(op, f"{name}[{i}]", buffer, float_workspace_buffer.device)
+                    check_buffer(op, f"{name}[{i}]", buffer, float_workspace_buffer.device)
 
     @property
     def is_cuda_graph_enabled(self):
@@ -87,7 +94,7 @@ class MultiLevelCascadeAttentionWrapper:
             raise ValueError(f"{op}: qo_indptr_arr[{self._num_levels - 1}] must be arange(batch + 1): one query per "
                              "request at the last level (decode; causal prefill is not supported)")
         self._core._plan(op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-                         q_dtype, kv_dtype, names, True, {0, 1, 2})
+                         q_dtype, kv_dtype, names, True, ALL_KINDS)
 
     begin_forward = plan
 
@@ -107,9 +114,7 @@ class MultiLevelCascadeAttentionWrapper:
         for name, buf, value in (("qo_indptr_buf_arr", qo_buf, qo), ("paged_kv_indptr_buf_arr", kv_buf, kv),
                                  ("paged_kv_last_page_len_buf_arr", last_buf, last),
                                  ("paged_kv_indices_buf_arr", indices_buf, indices)):
-            if value.shape[0] > buf.shape[0]:
-                raise ValueError(f"{op}: {value.shape[0]} entries do not fit {name}[{level}] ({buf.shape[0]})")
-            buf[: value.shape[0]].copy_(value, non_blocking=True)
+            fill_buffer(op, f"{name}[{level}]", buf, value)
         if level == self._num_levels - 1 and qo_buf.shape[0] != batch + 1:
             raise ValueError(f"{op}: under CUDA graphs the batch size is fixed at {qo_buf.shape[0] - 1}, got {batch}")
         return indices_buf

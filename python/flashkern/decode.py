@@ -7,14 +7,13 @@ import functools
 
 import torch
 
+from . import _C
 from ._paged_attention import (
-    DECODE_MAX_GROUP,
-    KIND_DECODE,
-    KIND_TILE16,
-    KIND_TILE64,
     PagedAttention,
     attention_dtype,
+    check_buffer,
     check_kv_layout,
+    fill_buffer,
     host_int32,
     reject_unsupported,
 )
@@ -55,7 +54,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             for name, buffer in zip(names, self._buffers):
                 if buffer is None:
                     raise ValueError(f"{op}: use_cuda_graph=True needs {name} (a fixed int32 buffer)")
-                _check_buffer(op, name, buffer, float_workspace_buffer.device)
+                check_buffer(op, name, buffer, float_workspace_buffer.device)
             if paged_kv_last_page_len_buffer.shape[0] != paged_kv_indptr_buffer.shape[0] - 1:
                 raise ValueError(f"{op}: paged_kv_last_page_len_buffer must have one entry less than paged_kv_indptr_buffer")
 
@@ -84,7 +83,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._core._plan(op, [(None, indptr_h, indices_h, last_h)], [indices_d], batch, num_qo_heads, num_kv_heads,
                          head_dim, page_size, sm_scale, q_dtype, kv_dtype,
                          ("qo_indptr", "indptr", "indices", "last_page_len"), False,
-                         {_decode_kind(num_qo_heads, num_kv_heads)})
+                         {_C.attention_kind(1, num_qo_heads // max(num_kv_heads, 1))})  # every request: one query
 
     begin_forward = plan
 
@@ -109,25 +108,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if indptr_buf.shape[0] != batch + 1:
             raise ValueError(f"{op}: under CUDA graphs the batch size is fixed at {indptr_buf.shape[0] - 1} "
                              f"(paged_kv_indptr_buffer), got {batch}")
-        if indices.shape[0] > indices_buf.shape[0]:
-            raise ValueError(f"{op}: {indices.shape[0]} page indices do not fit paged_kv_indices_buffer "
-                             f"({indices_buf.shape[0]})")
-        indptr_buf.copy_(indptr, non_blocking=True)
-        last_buf.copy_(last_page_len, non_blocking=True)
-        indices_buf[: indices.shape[0]].copy_(indices, non_blocking=True)
+        fill_buffer(op, "paged_kv_indptr_buffer", indptr_buf, indptr)
+        fill_buffer(op, "paged_kv_last_page_len_buffer", last_buf, last_page_len)
+        fill_buffer(op, "paged_kv_indices_buffer", indices_buf, indices)
         return indices_buf
-
-
-def _check_buffer(op, name, buffer, device):
-    check_tensor(op, name, buffer)
-    if buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.device != device or not buffer.is_contiguous():
-        raise ValueError(f"{op}: {name} must be a contiguous 1-D int32 tensor on {device}")
-
-
-def _decode_kind(num_qo_heads, num_kv_heads):
-    """The kernel that a decode batch with this GQA group runs (attention_plan.h picks the same)."""
-    group = num_qo_heads // max(num_kv_heads, 1)
-    return KIND_DECODE if group <= DECODE_MAX_GROUP else KIND_TILE16 if group <= 16 else KIND_TILE64
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
@@ -172,10 +156,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
 def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale):
     """A planned wrapper for one request of kv_len tokens, with room to split it over every block
     the device runs at once."""
-    budget = PagedAttention.cta_budget(device)
-    slots = budget + 1
-    workspace = torch.empty(slots * (4 * max(num_qo_heads, 1) * (head_dim + 1) + 68) + 4096, dtype=torch.uint8,
-                            device=device)
+    slots = PagedAttention.cta_budget(device) + 1
+    workspace = torch.empty(_C.workspace_bytes(slots, 1, num_qo_heads, head_dim), dtype=torch.uint8, device=device)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     wrapper.plan(i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads, head_dim, kv_len,

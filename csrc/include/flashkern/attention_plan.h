@@ -125,16 +125,10 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
         return fail("request " + std::to_string(j) + " of " + kv + " has " + std::to_string(length) +
                     " tokens; at most 2^30 - 1 are supported");
       if (length == 0 || q1 == q0) continue;  // nothing to attend to, or nobody attending: no state
-      Entry e{int32_t(l), int32_t(q0), int32_t(q1 - q0), int32_t(p0), length, AttentionKind::tile64, 1};
-      const int64_t rows = e.n_q * s.group_size;
-      if (e.n_q == 1 && s.group_size <= kDecodeMaxGroup) {
-        e.kind = AttentionKind::decode;
-      } else if (rows <= 16) {
-        e.kind = AttentionKind::tile16;
-      } else {
-        e.row_tiles = (rows + 63) / 64;
-      }
-      entries.push_back(e);
+      const AttentionKind kind = attention_kind(q1 - q0, s.group_size);
+      const int64_t rows = (q1 - q0) * s.group_size, tile = kind_rows(kind);
+      entries.push_back({int32_t(l), int32_t(q0), int32_t(q1 - q0), int32_t(p0), length, kind,
+                         kind == AttentionKind::tile64 ? (rows + tile - 1) / tile : 1});
     }
   }
 
@@ -189,8 +183,8 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int32_t kv_begin = int32_t(c * chunk), kv_end = int32_t(std::min(e.length, (c + 1) * chunk));
       for (int64_t t = 0; t < e.row_tiles; ++t)
-        by_kind[int(e.kind)].push_back({e.level, e.q_begin, e.n_q, int32_t(t * 64), e.page_begin, kv_begin, kv_end,
-                                        next_slot});
+        by_kind[int(e.kind)].push_back({e.level, e.q_begin, e.n_q, int32_t(t * kind_rows(e.kind)), e.page_begin,
+                                        kv_begin, kv_end, next_slot});
       for (int32_t q = 0; q < e.n_q; ++q) ++per_query[e.q_begin + q + 1];
       next_slot += e.n_q;
     }

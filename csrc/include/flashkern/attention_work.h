@@ -35,6 +35,12 @@ FK_HOST_DEVICE int kind_rows(AttentionKind kind) {
   return kind == AttentionKind::tile64 ? 64 : kind == AttentionKind::tile16 ? 16 : kDecodeMaxGroup;
 }
 
+// The kernel for a group of n_q queries with GQA groups of `group` q heads (its rows: n_q * group).
+FK_HOST_DEVICE AttentionKind attention_kind(int64_t n_q, int64_t group) {
+  if (n_q == 1 && group <= kDecodeMaxGroup) return AttentionKind::decode;
+  return n_q * group <= kind_rows(AttentionKind::tile16) ? AttentionKind::tile16 : AttentionKind::tile64;
+}
+
 struct AttentionWorkItem {
   int32_t level;          // which kv_indices
   int32_t q_begin;        // the group's first query
@@ -76,10 +82,21 @@ struct WorkspaceLayout {
 
 FK_HOST_DEVICE int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
+// Per slot: two items (a query's rows can straddle two tiles), a merge index and the state.
+FK_HOST_DEVICE int64_t workspace_slot_bytes(int64_t qo_heads, int64_t head_dim) {
+  return 4 * (2 * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
+}
+FK_HOST_DEVICE int64_t workspace_fixed_bytes(int64_t batch) {
+  return 4 * (kHeaderWords + batch + 1) + 3 * 256;  // + alignment of the regions
+}
+
+// The bytes a workspace needs for `slots` partial states (the inverse of workspace_layout).
+FK_HOST_DEVICE int64_t workspace_bytes(int64_t slots, int64_t batch, int64_t qo_heads, int64_t head_dim) {
+  return workspace_fixed_bytes(batch) + slots * workspace_slot_bytes(qo_heads, head_dim);
+}
+
 FK_HOST_DEVICE WorkspaceLayout workspace_layout(int64_t bytes, int64_t batch, int64_t qo_heads, int64_t head_dim) {
-  // Per slot: two items (a query's rows can straddle two tiles), a merge index and the state.
-  const int64_t per_slot = 4 * (2 * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
-  const int64_t fixed = 4 * (kHeaderWords + batch + 1) + 3 * 256;  // + alignment of the regions
+  const int64_t per_slot = workspace_slot_bytes(qo_heads, head_dim), fixed = workspace_fixed_bytes(batch);
   WorkspaceLayout w{};
   w.slot_capacity = bytes > fixed ? (bytes - fixed) / per_slot : 0;
   w.item_capacity = 2 * w.slot_capacity;

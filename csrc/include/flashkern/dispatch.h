@@ -22,6 +22,21 @@ decltype(auto) with_dtype(DType dtype, F&& f) {
   }
 }
 
+// The 16-bit types only (the attention kernels).
+template <typename F>
+decltype(auto) with_dtype16(DType dtype, F&& f) {
+  if (dtype == DType::bf16) return f(bf16_t{});
+  return f(half_t{});
+}
+
+// The supported attention head dims, 64, 128 or 256, as compile-time constants.
+template <typename F>
+decltype(auto) with_head_dim(int head_dim, F&& f) {
+  if (head_dim == 64) return f(std::integral_constant<int, 64>{});
+  if (head_dim == 128) return f(std::integral_constant<int, 128>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
 // The storage type of a norm weight: fp32, or the same type as the input.
 template <typename T, typename F>
 decltype(auto) with_weight_dtype(DType weight_dtype, F&& f) {

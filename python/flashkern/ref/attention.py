@@ -1,5 +1,6 @@
 import torch
 
+from .. import _C
 from ._compute import compute_dtype
 
 
@@ -109,7 +110,7 @@ def cascade_decode(q, paged_kv_cache, qo_indptr_arr, kv_indptr_arr, kv_indices_a
 
 # ---- running a plan: what torch.ops.flashkern.batch_attention does, in torch ----
 
-KIND_ROWS = (4, 16, 64)  # rows of a work item per kind (attention_work.h: kind_rows)
+KIND_ROWS = _C.KIND_ROWS  # rows of a work item per kind (attention_work.h: kind_rows)
 
 
 def read_plan(words):

@@ -4,6 +4,7 @@
 // same launches serve any plan (and CUDA graph replays after a new plan).
 #pragma once
 
+#include <atomic>
 #include <type_traits>
 
 #include "flashkern/dispatch.h"
@@ -56,19 +57,6 @@ __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttent
 }
 
 template <typename F>
-decltype(auto) with_attention_dtype(DType dtype, F&& f) {
-  if (dtype == DType::bf16) return f(bf16_t{});
-  return f(half_t{});
-}
-
-template <typename F>
-decltype(auto) with_head_dim(int head_dim, F&& f) {
-  if (head_dim == 64) return f(std::integral_constant<int, 64>{});
-  if (head_dim == 128) return f(std::integral_constant<int, 128>{});
-  return f(std::integral_constant<int, 256>{});
-}
-
-template <typename F>
 decltype(auto) with_decode_group(int group, F&& f) {
   switch (group) {
     case 1:
@@ -82,14 +70,19 @@ decltype(auto) with_decode_group(int group, F&& f) {
   }
 }
 
-// Launches `kernel` with `bytes` of dynamic shared memory, raising the limit where it needs to.
+// Launches `kernel` with `bytes` of dynamic shared memory, raising the limit where it needs to: once
+// per kernel and device (devices 0-63), not on every launch.
 template <typename Kernel>
 const char* launch_tiles(Kernel kernel, int blocks, int kv_heads, int threads, int bytes, const BatchAttentionParams& p,
                          gpuStream_t stream) {
 #if !defined(FK_EMU)
-  if (bytes > 48 * 1024) {
+  static std::atomic<uint64_t> raised{0};  // one per instantiation: a bit per device
+  const int device = gpuCurrentDevice();
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bytes > 48 * 1024 && (bit == 0 || !(raised.load(std::memory_order_relaxed) & bit))) {
     const gpuError_t e = gpuSetMaxDynamicShared(kernel, bytes);
     if (e != gpuSuccess) return gpuGetErrorString(e);
+    raised.fetch_or(bit, std::memory_order_relaxed);
   }
 #endif
   FK_LAUNCH_SMEM(kernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream)(p);
@@ -98,7 +91,7 @@ const char* launch_tiles(Kernel kernel, int blocks, int kv_heads, int threads, i
 
 template <int kWarp>
 const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t stream) {
-  return with_attention_dtype(p.dtype, [&](auto t) {
+  return with_dtype16(p.dtype, [&](auto t) {
     using T = decltype(t);
     return with_head_dim(p.head_dim, [&](auto d) -> const char* {
       constexpr int D = decltype(d)::value;
