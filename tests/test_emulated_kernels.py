@@ -6,8 +6,10 @@ planning and reductions where no GPU exists; it does not check the hardware memo
 or the conversion instructions."""
 
 import ctypes
+import os
 import shutil
 import subprocess
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 I64 = ctypes.POINTER(ctypes.c_int64)
+# FK_EMU_SANITIZER=thread|address builds the emulated kernels with that sanitizer; the process must have
+# its runtime preloaded (tests/test_emulator_checks.py runs this module so).
+SANITIZER = os.environ.get("FK_EMU_SANITIZER")
+SANITIZER_FLAGS = [f"-fsanitize={SANITIZER}", "-g", "-fno-omit-frame-pointer"] if SANITIZER else []
 
 
 def build(tmp_path_factory, backend):
@@ -32,7 +38,7 @@ def build(tmp_path_factory, backend):
     out = tmp_path_factory.mktemp(f"emu-{backend}")
     # hidden: each library keeps its own emulator state (the warp width), however many are loaded
     flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-fvisibility=hidden", "-DFK_EMULATE",
-             f"-I{ROOT / 'csrc' / 'include'}"]
+             f"-I{ROOT / 'csrc' / 'include'}", *SANITIZER_FLAGS]
     if backend == "hip":
         flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
     pattern = "*.cu" if backend == "cuda" else "*.hip"
@@ -46,7 +52,7 @@ def build(tmp_path_factory, backend):
     with ThreadPoolExecutor(2) as pool:
         objects = list(pool.map(compile_one, sources))
     so = out / "libfkemu.so"
-    subprocess.run([cxx, "-shared", "-pthread", *objects, "-o", str(so)], check=True)
+    subprocess.run([cxx, "-shared", "-pthread", *SANITIZER_FLAGS, *objects, "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     P, L, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # tests/emu/emu_ops.cpp
@@ -58,7 +64,10 @@ def build(tmp_path_factory, backend):
         "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
         "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, I, P, P, P, ctypes.POINTER(ctypes.c_int), I, I, I, I, I,
                                 F, I],
+        "emu_launch_probe": [I, I, I, I],
     }
+    lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
+    lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_char_p
@@ -74,12 +83,41 @@ def emu(tmp_path_factory):
 def emu_wave64(tmp_path_factory):
     """The HIP launchers on an emulated wave64 (CDNA) device: the kWarp = 64 reductions."""
     lib = build(tmp_path_factory, "hip")
-    lib.emu_set_warp_size(64)
+    assert lib.emu_set_device(b"gfx90a")
     return lib
 
 
+_libc = ctypes.CDLL(None)
+_libc.malloc.argtypes, _libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+_libc.free.argtypes, _libc.free.restype = [ctypes.c_void_p], None
+_staged = {}  # (address, shape, strides, dtype) of a caller's tensor -> (it, its exact copy), until ok()
+
+
+def exact(t):
+    """t copied into a malloc that ends where t's last element does, with t's strides and its address
+    modulo 16 (so kernels choose the same vector path): under AddressSanitizer (FK_EMU_SANITIZER=address)
+    an access past it is reported, as one past a view into a larger torch tensor is not."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    lead = t.data_ptr() % 16
+    nbytes = lead + span * t.element_size()
+    address = _libc.malloc(nbytes)
+    buffer = (ctypes.c_uint8 * nbytes).from_address(address)
+    weakref.finalize(buffer, _libc.free, address)
+    copy = torch.frombuffer(buffer, dtype=torch.uint8)[lead:].view(t.dtype).as_strided(t.shape, t.stride())
+    return copy.copy_(t)
+
+
 def ptr(t):
-    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+    """The address the kernel gets for t: its exact copy (one per tensor and call, so an in-place
+    argument passed twice is one buffer); ok() copies every copy back into its tensor."""
+    if t is None:
+        return None
+    if t.numel() == 0:
+        return ctypes.c_void_p(t.data_ptr())
+    key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+    if key not in _staged:
+        _staged[key] = (t, exact(t))
+    return ctypes.c_void_p(_staged[key][1].data_ptr())
 
 
 def i64s(*values):
@@ -94,6 +132,10 @@ def layout(t):
 
 
 def ok(error):
+    """A launch's result: no error, and what the kernels wrote copied back (see ptr)."""
+    for t, copy in _staged.values():
+        t.copy_(copy)
+    _staged.clear()
     assert error is None, error.decode()
 
 
@@ -290,7 +332,7 @@ def test_merge_states_kernel_in_place_with_mask(emu):
 def emu_wave32(tmp_path_factory):
     """The HIP launchers on an emulated wave32 (RDNA) device."""
     lib = build(tmp_path_factory, "hip")
-    lib.emu_set_warp_size(32)
+    assert lib.emu_set_device(b"gfx1030")
     return lib
 
 
@@ -309,12 +351,15 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None):
     ws = core._workspace
     _, _, _, s_at, v_at = flashkern_C().workspace_layout(ws.numel(), q.shape[0], q.shape[1], q.shape[2])
     indices = kv_indices if kv_indices is not None else info["kv_indices"]
-    pointers = (ctypes.c_void_p * len(indices))(*[t.data_ptr() for t in indices])
+    pointers = (ctypes.c_void_p * len(indices))(*[ptr(t) for t in indices])
     grid = (ctypes.c_int * 4)(*(grid or info["grid"]))
-    base = ws.data_ptr()
+    # the plan's words and the partial states the plan uses, each its own exact buffer
+    states = info["slots"] * q.shape[1]
+    plan = ws[: 4 * info["words"]]
+    partial_s, partial_v = ws[s_at : s_at + 4 * states], ws[v_at : v_at + 4 * states * q.shape[2]]
     ok(lib.emu_batch_attention(ptr(out), ptr(lse), ptr(q), i64s(*q.stride()[:2]), ptr(k), ptr(v),
                                i64s(*k.stride()[:3], *v.stride()[:3]), k.shape[0], pointers, len(indices),
-                               ctypes.c_void_p(base), ctypes.c_void_p(base + s_at), ctypes.c_void_p(base + v_at), grid,
+                               ptr(plan), ptr(partial_s), ptr(partial_v), grid,
                                q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.shape[1],
                                ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype]))
     return out, lse
@@ -390,6 +435,40 @@ def test_batch_attention_kernels_page_outside_the_cache(attention_lib):
         assert out[1].isnan().all() and lse[1].isnan().all()
         keep = torch.tensor([0, 2])
         check_attention(out[keep], lse[keep], eo[keep], e_lse[keep], torch.float16)
+
+
+def test_batch_attention_kernels_each_raise_their_own_shared_memory_limit(emu):
+    """The eight multi-query kernels that need more than 48 KB of shared memory (16- and 64-row tiles at
+    head_dim 128 and 256, fp16 and bf16) each get their own opt-in: all run in one process. The emulator,
+    as a GPU, refuses a launch above 48 KB without the kernel's own cudaFuncSetAttribute."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in (128, 256):
+            for group in (8, 32):  # 8 rows: the 16-row tile; 32 rows: the 64-row tile
+                wrapper, q, cache, (eo, e_lse) = decode_plan([37, 5], 16, 1, group, head_dim, dtype, seed=9)
+                counts = wrapper._core._plan_info["counts"]
+                assert counts[1 if group == 8 else 2] > 0
+                check_attention(*run_attention(emu, wrapper, q, cache), eo, e_lse, dtype)
+
+
+# (threads, grid y, dynamic shared bytes, opt-in bytes or -1): what a GPU answers
+LAUNCH_LIMITS = [
+    ((1024, 3, 48 * 1024, -1), None),
+    ((1025, 1, 0, -1), "invalid configuration argument"),
+    ((32, 65536, 0, -1), "invalid configuration argument"),
+    ((0, 1, 0, -1), "invalid configuration argument"),
+    ((128, 1, 48 * 1024 + 16, -1), "invalid argument"),  # above 48 KB without the opt-in
+    ((128, 1, 100 * 1024, 100 * 1024), None),
+    ((128, 1, 100 * 1024, 64 * 1024), "invalid argument"),  # above what the kernel was allowed
+    ((128, 1, 227 * 1024 + 16, 228 * 1024), "invalid argument"),  # above sm_90's maximum: the opt-in fails
+]
+
+
+@pytest.mark.parametrize("launch,error", LAUNCH_LIMITS)
+def test_emulator_refuses_what_a_gpu_refuses(emu, launch, error):
+    """A probe kernel (tests/emu/emu_ops.cpp) on the emulated sm_90: each refusal with CUDA's error string,
+    and a kernel that was allowed runs on every thread."""
+    result = emu.emu_launch_probe(*launch)
+    assert result == (error.encode() if error else None)
 
 
 def test_batch_attention_kernels_nan_is_not_hidden(attention_lib):

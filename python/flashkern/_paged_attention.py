@@ -173,7 +173,7 @@ class PagedAttention:
         self._plan_info = {
             "batch": batch, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "page_size": page_size, "dtype": q_dtype, "sm_scale": sm_scale, "grid": grid, "max_page": max_page,
-            "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk,
+            "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk, "words": words,
         }
 
     def _run(self, op, q, paged_kv_cache, out, lse):

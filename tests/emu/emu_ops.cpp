@@ -11,7 +11,11 @@ using fk::RowLayout;
 #pragma GCC visibility push(default)  // the library is built with hidden visibility; these are its interface
 extern "C" {
 
-void emu_set_warp_size(int warp_size) { fk::emu::warp_size = warp_size; }
+// The emulated device (emulate.h: kDevices, e.g. "sm_90", "gfx1030"); false if this build does not emulate it.
+bool emu_set_device(const char* name) { return fk::emu::set_device(name); }
+
+// The seed of the thread schedule (emulate.h): each seed is another order of the threads between barriers.
+void emu_set_seed(uint64_t seed) { fk::emu::seed = seed; }
 
 const char* emu_rmsnorm(void* out, const void* input, void* residual, const void* weight, int64_t rows, int64_t cols,
                         const int64_t* out_layout, const int64_t* in_layout, const int64_t* res_layout, int dtype,
@@ -114,5 +118,29 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   return fk::launch_batch_attention(p, nullptr);
 }
 
+}  // extern "C"
+
+namespace {
+// Counts its threads: a launch that ran ran every thread of every block.
+__global__ void probe_kernel(int* threads_run) {
+  FK_DYNAMIC_SHARED(smem);
+  (void)smem;
+  if (threadIdx.x == 0) *threads_run += int(blockDim.x);
+}
+}  // namespace
+
+extern "C" {
+// One launch of probe_kernel (grid 1 x grid_y) with `opt_in` bytes of dynamic shared memory allowed
+// first (-1: none asked): nullptr, or the error a GPU would give.
+const char* emu_launch_probe(int threads, int grid_y, int shared_bytes, int opt_in) {
+  if (opt_in >= 0) {
+    if (const fk::gpuError_t e = fk::gpuSetMaxDynamicShared(probe_kernel, opt_in)) return fk::gpuGetErrorString(e);
+  }
+  int threads_run = 0;
+  FK_LAUNCH_SMEM(probe_kernel, dim3(1, unsigned(grid_y)), dim3(unsigned(threads)), size_t(shared_bytes), nullptr)(&threads_run);
+  if (const fk::gpuError_t e = fk::gpuGetLastError()) return fk::gpuGetErrorString(e);
+  if (threads_run != threads * grid_y) return "the probe did not run on every block";
+  return nullptr;
+}
 }  // extern "C"
 #pragma GCC visibility pop

@@ -1,31 +1,88 @@
-// A GPU stand-in made of host threads, for tests on machines without a GPU (tests/test_emulated_kernels.py):
-// compiled with -DFK_EMULATE by a plain C++ compiler, the kernels in kernels/*.cuh run their real code,
-// index arithmetic, tails, shared memory, barriers and shuffles included: blocks one after another,
-// the threads of a block as std::threads. Warp-wide instructions (shuffles, ldmatrix, mma.sync,
-// MFMA) are emulated through per-thread slots and a barrier per warp, so every lane of a warp must
-// reach each of them together, as their full-warp forms require on a GPU; a shuffle naming a lane
-// outside the block aborts. The matrix instructions compute with the fragment layouts of the PTX
-// and AMD documentation (platform.h), in fp32. Not emulated: the memory model, timing, 16-bit
-// conversion instructions (the software conversions in numeric.h run instead).
+// A GPU stand-in for machines without a GPU (tests/test_emulated_kernels.py and the `emulate`
+// backend): compiled with -DFK_EMULATE by a plain C++ compiler, the kernels in kernels/*.cuh run
+// their real code, index arithmetic, tails, shared memory, barriers and shuffles included. Each GPU
+// thread of a block is a fiber (its own stack, ucontext) on the launching host thread; blocks run
+// one after another.
+//
+// What it checks that a plain run of the code would not:
+//   launch limits   a launch a GPU refuses fails with the GPU's error (launch_error): more than
+//                   1024 threads, grid y or z above 65535, dynamic shared memory above 48 KB without
+//                   the kernel's own opt-in (CUDA), or above the device's maximum (kDevices)
+//   scheduling      one thread runs at a time; at every barrier, shuffle and matrix instruction the
+//                   next thread to run is drawn at random (seeded: FK_EMU_SEED, or `seed`), so the
+//                   lanes of a warp do not run in lockstep, as on Volta and later GPUs: code that
+//                   relies on an order no barrier enforces reads stale or poisoned memory
+//   barriers        a barrier that some thread never reaches aborts with a message (a GPU hangs or
+//                   races), so does a block that ends with cp.async copies not waited for
+//   races (TSan)    built with -fsanitize=thread, every GPU thread of every block is a ThreadSanitizer
+//                   fiber, switched to without synchronization, so the only happens-before edges it
+//                   sees are a GPU's: __syncthreads within a block, and a launch before and after
+//                   all its blocks. The warp-wide exchanges (shuffles, ldmatrix, the matrix
+//                   instructions) order nothing but their operands, as on a GPU. Any pair of
+//                   shared- or global-memory accesses, within a block or between blocks, that no
+//                   __syncthreads orders and that includes a write is reported.
+//   bounds (ASan)   built with -fsanitize=address, shared memory (dynamic and FK_STATIC_SHARED) is a
+//                   fresh allocation of exactly its bytes for every block, so any access past it is
+//                   reported, as is any past a global buffer the caller allocated exactly.
+// Shared memory starts 0xff-filled (NaN as fp16, bf16 and fp32) in every block. The matrix
+// instructions compute with the fragment layouts of the PTX and AMD documentation (platform.h), in
+// fp32. Not emulated: timing, the hardware memory model beyond the orders above (a fence-based
+// protocol between blocks would look racy here), stack overflows within a GPU thread, and the
+// 16-bit conversion instructions (numeric.h's software conversions run instead).
 #pragma once
 
+#include <sys/mman.h>
+#include <ucontext.h>
+
 #include <array>
-#include <barrier>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
-#include <thread>
+#include <new>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#if defined(__SANITIZE_THREAD__)
+#define FK_EMU_TSAN 1
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define FK_EMU_ASAN 1
+#endif
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FK_EMU_TSAN 1
+#endif
+#if __has_feature(address_sanitizer)
+#define FK_EMU_ASAN 1
+#endif
+#endif
+#if defined(FK_EMU_TSAN)
+#include <sanitizer/tsan_interface.h>
+extern "C" {
+void AnnotateIgnoreReadsBegin(const char* file, int line);
+void AnnotateIgnoreReadsEnd(const char* file, int line);
+void AnnotateIgnoreWritesBegin(const char* file, int line);
+void AnnotateIgnoreWritesEnd(const char* file, int line);
+}
+#endif
+#if defined(FK_EMU_ASAN)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #define __host__
 #define __device__
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static  // blocks run one after another: a static is the block's shared memory
+#define __shared__ use_FK_STATIC_SHARED_for_static_shared_memory  // per block, see StaticShared
 
 struct uint4 {
   uint32_t x, y, z, w;
@@ -57,40 +114,360 @@ inline float __int_as_float(int i) {
 }
 
 namespace fk::emu {
-inline thread_local dim3 thread_idx, block_idx;
-inline thread_local std::barrier<>* warp_barrier = nullptr;
-inline dim3 grid_dim, block_dim;
-inline std::barrier<>* block_barrier = nullptr;
-inline std::vector<float> shuffle_slots;
-inline std::vector<std::array<uint32_t, 8>> word_slots;  // operands of the emulated matrix instructions
-inline std::vector<const void*> pointer_slots;           // ldmatrix row addresses
-inline std::vector<uint8_t> dynamic_shared;              // FK_DYNAMIC_SHARED
-inline int warp_size = 32;  // what the emulated device reports: 64 exercises the HIP launchers' wave64 kernels
-
-// A thread's asynchronous copies (platform.h: cp_async16), committed groups oldest first.
-struct AsyncCopy {
-  void* dst;
-  uint8_t bytes[16];
-};
-inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;
-inline thread_local std::vector<AsyncCopy> async_open;  // not committed yet
-inline bool copies_in_flight() {
-  for (const auto& group : async_groups)
-    if (!group.empty()) return true;
-  return !async_open.empty();
-}
-
-inline unsigned linear_thread() { return thread_idx.x + block_dim.x * (thread_idx.y + block_dim.y * thread_idx.z); }
-inline unsigned block_threads() { return block_dim.x * block_dim.y * block_dim.z; }
-inline void warp_sync() { warp_barrier->arrive_and_wait(); }
 
 [[noreturn]] inline void fail(const char* what) {
   std::fprintf(stderr, "flashkern emulation: %s\n", what);
   std::abort();
 }
 
-// Runs kernel(args...) on every thread of every block of `grid`: one host thread per GPU thread of a
-// block, walking the blocks in order, with a barrier between blocks (shared memory is reused).
+// ---- what ThreadSanitizer sees (nothing, in other builds) ----
+inline void tsan_release(void* sync) {
+#if defined(FK_EMU_TSAN)
+  __tsan_release(sync);
+#endif
+  (void)sync;
+}
+inline void tsan_acquire(void* sync) {
+#if defined(FK_EMU_TSAN)
+  __tsan_acquire(sync);
+#endif
+  (void)sync;
+}
+// The emulator's own bookkeeping in a scope (schedule, slots, block state): not the kernel's accesses.
+struct Untracked {
+#if defined(FK_EMU_TSAN)
+  Untracked() { AnnotateIgnoreReadsBegin(__FILE__, __LINE__), AnnotateIgnoreWritesBegin(__FILE__, __LINE__); }
+  ~Untracked() { AnnotateIgnoreWritesEnd(__FILE__, __LINE__), AnnotateIgnoreReadsEnd(__FILE__, __LINE__); }
+#else
+  Untracked() {}
+#endif
+  Untracked(const Untracked&) = delete;
+  Untracked& operator=(const Untracked&) = delete;
+};
+
+// ---- the emulated device ----
+struct DeviceModel {
+  const char* name;
+  int warp_size;
+  int max_shared;      // dynamic shared memory a block may have (CUDA: with the kernel's opt-in)
+  bool shared_opt_in;  // CUDA: above 48 KB only for a kernel given cudaFuncAttributeMaxDynamicSharedMemorySize
+};
+inline constexpr DeviceModel kDevices[] = {
+    {"sm_90", 32, 227 * 1024, true},    // H100, H200
+    {"sm_80", 32, 163 * 1024, true},    // A100
+    {"gfx90a", 64, 64 * 1024, false},   // MI200 (CDNA2, wave64)
+    {"gfx1030", 32, 64 * 1024, false},  // RDNA2 (wave32)
+};
+inline constexpr int kDefaultSharedLimit = 48 * 1024;
+#if defined(FK_EMULATE_HIP)
+inline constexpr bool kEmulatingHip = true;
+inline DeviceModel device = kDevices[2];
+#else
+inline constexpr bool kEmulatingHip = false;
+inline DeviceModel device = kDevices[0];
+#endif
+
+// Launch errors, with the CUDA runtime's codes and strings.
+enum Error : int { kSuccess = 0, kInvalidValue = 1, kInvalidConfiguration = 9 };
+inline const char* error_string(int e) {
+  switch (e) {
+    case kSuccess:
+      return "no error";
+    case kInvalidValue:
+      return "invalid argument";
+    case kInvalidConfiguration:
+      return "invalid configuration argument";
+    default:
+      return "unknown error";
+  }
+}
+inline int last_error = kSuccess;                 // cudaGetLastError's: read and reset
+inline std::map<const void*, int> shared_opt_in;  // kernel -> the dynamic shared memory it was allowed
+
+// false for a device this build does not emulate (a CUDA build emulates NVIDIA devices, HIP AMD).
+inline bool set_device(const char* name) {
+  for (const DeviceModel& d : kDevices) {
+    if (std::strcmp(d.name, name) == 0 && d.shared_opt_in != kEmulatingHip) {
+      device = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+template <typename Kernel>
+int set_max_dynamic_shared(Kernel kernel, int bytes) {
+  if (bytes < 0 || bytes > device.max_shared) return kInvalidValue;
+  shared_opt_in[reinterpret_cast<const void*>(kernel)] = bytes;
+  return kSuccess;
+}
+
+// What a GPU says of a launch configuration before it runs anything.
+inline int launch_error(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes) {
+  const uint64_t threads = uint64_t(block.x) * block.y * block.z;
+  if (threads == 0 || threads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64) return kInvalidConfiguration;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+    return kInvalidConfiguration;
+  size_t limit = device.shared_opt_in ? kDefaultSharedLimit : size_t(device.max_shared);
+  if (device.shared_opt_in) {
+    const auto raised = shared_opt_in.find(kernel);
+    if (raised != shared_opt_in.end() && size_t(raised->second) > limit) limit = size_t(raised->second);
+  }
+  return shared_bytes > limit ? kInvalidValue : kSuccess;
+}
+
+inline uint64_t seed_from_env() {
+  const char* s = std::getenv("FK_EMU_SEED");
+  return s ? std::strtoull(s, nullptr, 10) : 1;
+}
+inline uint64_t seed = seed_from_env();  // of the thread schedule; every seed is another order
+
+// ---- a block: its threads as fibers, one at a time ----
+
+// A barrier for `expected` threads. Only the running thread touches it.
+struct Barrier {
+  unsigned expected = 0, arrived = 0;
+  std::vector<unsigned> waiting;
+  bool orders_memory = false;  // __syncthreads; not the warp-wide exchanges
+};
+
+// A cp.async copy (platform.h: cp_async16) not landed yet.
+struct AsyncCopy {
+  void* dst;
+  uint8_t bytes[16];
+};
+
+// An execution context: a GPU thread, or the host thread that launched the block.
+struct Context {
+  ucontext_t uc;
+  void* stack = nullptr;  // its own mapping, fresh for every block (sanitizers see new memory)
+  size_t stack_bytes = 0;
+  void* tsan = nullptr;  // TSan's thread for it
+};
+
+struct Thread : Context {
+  static constexpr size_t kStackBytes = 128 * 1024;
+  dim3 thread_idx;
+  unsigned index = 0;  // linear, in the block
+  Barrier* warp = nullptr;
+  std::vector<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
+  std::vector<AsyncCopy> async_open;                 // not committed yet
+};
+
+// Per block: fresh barriers (TSan keys synchronization by address), fresh shared memory.
+struct Block {
+  dim3 block_idx;
+  Barrier barrier;  // __syncthreads
+  std::vector<Barrier> warps;
+  uint8_t* dynamic_shared = nullptr;
+  std::vector<uint8_t*> static_shared;  // FK_STATIC_SHARED allocations
+  uint64_t serial = 0;                  // tells the blocks apart (StaticShared)
+  std::vector<unsigned> ready;          // threads that may run, the running one excluded
+  unsigned finished = 0;
+  uint64_t rng = 0;
+};
+
+inline dim3 grid_dim, block_dim;
+inline std::vector<Thread> threads;
+inline Context host;
+inline Block* this_block = nullptr;
+inline std::atomic<Thread*> running{nullptr};  // read by kernel code, hence atomic (TSan)
+inline std::vector<float> shuffle_slots;
+inline std::vector<std::array<uint32_t, 8>> word_slots;  // operands of the emulated matrix instructions
+inline std::vector<const void*> pointer_slots;           // ldmatrix row addresses
+inline int launch_end;  // TSan: every block of a launch before what the host does after it
+
+inline Thread& me() { return *running.load(std::memory_order_relaxed); }
+inline unsigned linear_thread() {
+  Untracked untracked;
+  return me().index;
+}
+inline unsigned block_threads() { return block_dim.x * block_dim.y * block_dim.z; }
+
+inline uint8_t* shared_allocation(size_t bytes) {  // 16-byte aligned, 0xff-filled
+  auto* p = static_cast<uint8_t*>(::operator new[](bytes ? bytes : 1, std::align_val_t(16)));
+  std::memset(p, 0xff, bytes);
+  return p;
+}
+inline void free_shared(uint8_t* p) { ::operator delete[](p, std::align_val_t(16)); }
+
+// ---- switching between contexts ----
+inline Context* switching_from = nullptr;
+inline void jump(Context& from, Context& to, bool from_finished) {
+  void* to_stack;
+  size_t to_stack_bytes;
+  void* to_tsan;
+  {
+    Untracked untracked;
+    switching_from = &from;
+    to_stack = to.stack, to_stack_bytes = to.stack_bytes, to_tsan = to.tsan;
+  }
+#if defined(FK_EMU_ASAN)
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(from_finished ? nullptr : &fake_stack, to_stack, to_stack_bytes);
+#endif
+#if defined(FK_EMU_TSAN)
+  __tsan_switch_to_fiber(to_tsan, __tsan_switch_to_fiber_no_sync);
+#endif
+  (void)from_finished, (void)to_stack, (void)to_stack_bytes, (void)to_tsan;
+  swapcontext(&from.uc, &to.uc);
+#if defined(FK_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+}
+
+// A ready thread, drawn at random (splitmix64 of the block's seed), taken off the list.
+inline unsigned take_ready() {
+  Block& b = *this_block;
+  if (b.ready.empty()) fail("a barrier that not every thread of the block (or of the warp) reaches: on a GPU, a hang");
+  uint64_t z = (b.rng += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  const size_t i = (z ^ (z >> 31)) % b.ready.size();
+  const unsigned t = b.ready[i];
+  b.ready[i] = b.ready.back();
+  b.ready.pop_back();
+  return t;
+}
+
+// The running thread waits at `barrier` (counted in it already, or just finished) and another runs.
+inline void run_next(bool finished) {
+  Thread& from = me();
+  Context* to;
+  {
+    Untracked untracked;
+    if (finished && ++this_block->finished == block_threads()) {
+      to = &host;
+    } else {
+      Thread& next = threads[take_ready()];
+      if (&next == &from) return;
+      running.store(&next, std::memory_order_relaxed);
+      to = &next;
+    }
+  }
+  jump(from, *to, finished);
+}
+
+inline void arrive_and_wait(Barrier& barrier) {
+  if (barrier.orders_memory) tsan_release(&barrier);
+  {
+    Untracked untracked;
+    if (++barrier.arrived == barrier.expected) {
+      barrier.arrived = 0;
+      this_block->ready.insert(this_block->ready.end(), barrier.waiting.begin(), barrier.waiting.end());
+      barrier.waiting.clear();
+      this_block->ready.push_back(me().index);
+    } else {
+      barrier.waiting.push_back(me().index);
+    }
+  }
+  run_next(false);
+  if (barrier.orders_memory) tsan_acquire(&barrier);
+}
+
+inline void warp_sync() {
+  Barrier* warp;
+  {
+    Untracked untracked;
+    warp = me().warp;
+  }
+  arrive_and_wait(*warp);
+}
+
+// The body of every GPU thread: the kernel, then the end of its part of the block.
+inline void (*block_body)() = nullptr;
+inline void thread_main() {
+#if defined(FK_EMU_ASAN)
+  const void* from_stack = nullptr;
+  size_t from_bytes = 0;
+  __sanitizer_finish_switch_fiber(nullptr, &from_stack, &from_bytes);
+  {
+    Untracked untracked;
+    if (switching_from == &host) host.stack = const_cast<void*>(from_stack), host.stack_bytes = from_bytes;
+  }
+#endif
+  block_body();
+  {
+    Untracked untracked;
+    Thread& t = me();
+    bool in_flight = !t.async_open.empty();
+    for (const auto& group : t.async_groups) in_flight = in_flight || !group.empty();
+    if (in_flight) fail("a block ended with cp.async copies not waited for");
+  }
+  tsan_release(&launch_end);
+  run_next(true);
+  fail("a finished thread was resumed");
+}
+
+inline void* map_stack(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) fail("no memory for a thread's stack");
+#if defined(FK_EMU_ASAN)
+  __asan_unpoison_memory_region(p, bytes);
+#endif
+  return p;
+}
+
+// Runs one block: every thread from the start of `body` to its end.
+inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_shared_bytes, void (*body)()) {
+  const unsigned n = block_threads(), warps = (n + device.warp_size - 1) / device.warp_size;
+  {
+    Untracked untracked;
+    this_block = new Block;
+    this_block->block_idx = dim3(linear_block % grid_dim.x, (linear_block / grid_dim.x) % grid_dim.y,
+                            linear_block / (grid_dim.x * grid_dim.y));
+    this_block->barrier = Barrier{n, 0, {}, true};
+    this_block->warps.assign(warps, Barrier{});
+    for (unsigned w = 0; w < warps; ++w) this_block->warps[w].expected = std::min<unsigned>(device.warp_size, n - w * device.warp_size);
+    this_block->dynamic_shared = shared_allocation(dynamic_shared_bytes);
+    this_block->serial = serial;
+    this_block->rng = seed * 0x9e3779b97f4a7c15ull ^ (uint64_t(linear_block) << 32 | n);
+    for (unsigned t = 0; t < n; ++t) this_block->ready.push_back(t);
+    block_body = body;
+    threads.resize(n);
+    for (unsigned t = 0; t < n; ++t) {
+      Thread& th = threads[t];
+      th.index = t;
+      th.thread_idx = dim3(t % block_dim.x, (t / block_dim.x) % block_dim.y, t / (block_dim.x * block_dim.y));
+      th.warp = &this_block->warps[t / device.warp_size];
+      th.async_groups.clear();
+      th.async_open.clear();
+      th.stack_bytes = Thread::kStackBytes;
+      th.stack = map_stack(th.stack_bytes);
+      getcontext(&th.uc);
+      th.uc.uc_stack.ss_sp = th.stack;
+      th.uc.uc_stack.ss_size = th.stack_bytes;
+      th.uc.uc_link = nullptr;
+      makecontext(&th.uc, thread_main, 0);
+#if defined(FK_EMU_TSAN)
+      th.tsan = __tsan_create_fiber(0);
+#endif
+    }
+    Thread& first = threads[take_ready()];
+    running.store(&first, std::memory_order_relaxed);
+#if defined(FK_EMU_TSAN)
+    host.tsan = __tsan_get_current_fiber();
+#endif
+  }
+  jump(host, *running.load(std::memory_order_relaxed), false);
+  {
+    Untracked untracked;
+    running.store(nullptr, std::memory_order_relaxed);
+    for (Thread& th : threads) {
+#if defined(FK_EMU_TSAN)
+      __tsan_destroy_fiber(th.tsan);
+#endif
+      munmap(th.stack, th.stack_bytes);
+      th.stack = nullptr;
+    }
+    free_shared(this_block->dynamic_shared);
+    for (uint8_t* p : this_block->static_shared) free_shared(p);
+    delete this_block;
+    this_block = nullptr;
+  }
+}
+
+// Runs kernel(args...) on every thread of every block of `grid`, or records the launch error.
 template <typename... Params>
 struct Launcher {
   void (*kernel)(Params...);
@@ -98,35 +475,31 @@ struct Launcher {
   size_t shared_bytes;
   template <typename... Args>
   void operator()(Args&&... args) const {
-    grid_dim = grid;
-    block_dim = block;
-    const unsigned threads = block.x * block.y * block.z;
-    const unsigned warps = (threads + warp_size - 1) / warp_size;
-    shuffle_slots.assign(threads, 0.f);
-    word_slots.assign(threads, {});
-    pointer_slots.assign(threads, nullptr);
-    dynamic_shared.assign(shared_bytes, 0xff);  // not zero: a kernel must not rely on it
-    std::barrier<> barrier(threads);
-    block_barrier = &barrier;
-    std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-    for (unsigned w = 0; w < warps; ++w)
-      warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min<unsigned>(warp_size, threads - w * warp_size)));
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (unsigned t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        thread_idx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
-        warp_barrier = warp_barriers[t / warp_size].get();
-        for (unsigned bz = 0; bz < grid.z; ++bz)
-          for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-              block_idx = dim3(bx, by, bz);
-              kernel(args...);
-              if (copies_in_flight()) fail("a block ended with cp.async copies not waited for");
-              barrier.arrive_and_wait();  // the whole block is done before the next one starts
-            }
-      });
-    for (auto& th : pool) th.join();
+    if (const int e = launch_error(reinterpret_cast<const void*>(kernel), grid, block, shared_bytes)) {
+      last_error = e;
+      return;
+    }
+    if (this_block != nullptr) fail("a kernel launched from inside a kernel");
+    static uint64_t serial = 0;
+    static void (*launched)(Params...);
+    static std::tuple<std::decay_t<Args>...>* arguments;
+    std::tuple<std::decay_t<Args>...> copy(args...);
+    {
+      Untracked untracked;
+      grid_dim = grid;
+      block_dim = block;
+      const unsigned n = block.x * block.y * block.z;
+      shuffle_slots.assign(n, 0.f);
+      word_slots.assign(n, {});
+      pointer_slots.assign(n, nullptr);
+      launched = kernel;
+      arguments = &copy;
+    }
+    // Each block's threads are new TSan threads created by the host: they see what it did before
+    // the launch, and only their own __syncthreads among themselves.
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    for (unsigned b = 0; b < blocks; ++b) run_block(b, ++serial, shared_bytes, [] { std::apply(launched, *arguments); });
+    tsan_acquire(&launch_end);
   }
 };
 
@@ -134,66 +507,119 @@ template <typename... Params>
 Launcher<Params...> launcher(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes) {
   return {kernel, grid, block, shared_bytes};
 }
+
+// Static shared memory of one declaration (FK_STATIC_SHARED): a fresh allocation for each block,
+// made by the first of its threads to get there.
+struct StaticShared {
+  uint64_t serial = 0;
+  uint8_t* data = nullptr;
+  uint8_t* get(size_t bytes) {
+    Untracked untracked;
+    if (serial != this_block->serial) {
+      serial = this_block->serial;
+      data = shared_allocation(bytes);
+      this_block->static_shared.push_back(data);
+    }
+    return data;
+  }
+};
+
+inline dim3 thread_index() {
+  Untracked untracked;
+  return me().thread_idx;
+}
+inline dim3 block_index() {
+  Untracked untracked;
+  return this_block->block_idx;
+}
+inline uint8_t* dynamic_shared() {
+  Untracked untracked;
+  return this_block->dynamic_shared;
+}
 }  // namespace fk::emu
 
-#define threadIdx (::fk::emu::thread_idx)
-#define blockIdx (::fk::emu::block_idx)
+#define threadIdx (::fk::emu::thread_index())
+#define blockIdx (::fk::emu::block_index())
 #define gridDim (::fk::emu::grid_dim)
 #define blockDim (::fk::emu::block_dim)
 
-inline void __syncthreads() { fk::emu::block_barrier->arrive_and_wait(); }
+inline void __syncthreads() {
+  fk::emu::Barrier* barrier;
+  {
+    fk::emu::Untracked untracked;
+    barrier = &fk::emu::this_block->barrier;
+  }
+  fk::emu::arrive_and_wait(*barrier);
+}
 
 // A block barrier that also tells whether any thread's predicate was true.
 inline bool __syncthreads_or(bool predicate) {
   const unsigned t = fk::emu::linear_thread();
-  fk::emu::shuffle_slots[t] = predicate ? 1.f : 0.f;
+  {
+    fk::emu::Untracked untracked;
+    fk::emu::shuffle_slots[t] = predicate ? 1.f : 0.f;
+  }
   __syncthreads();
   bool any = false;
-  for (unsigned i = 0; i < fk::emu::block_threads(); ++i) any = any || fk::emu::shuffle_slots[i] != 0.f;
+  {
+    fk::emu::Untracked untracked;
+    for (unsigned i = 0; i < fk::emu::block_threads(); ++i) any = any || fk::emu::shuffle_slots[i] != 0.f;
+  }
   __syncthreads();
   return any;
 }
 
-// Every lane of the warp calls it together (see the top of this file).
-inline float __shfl_xor(float v, int lane_mask) {
-  const unsigned t = fk::emu::linear_thread(), other = t ^ unsigned(lane_mask);
-  if (unsigned(lane_mask) >= unsigned(fk::emu::warp_size) || other >= fk::emu::block_threads())
-    fk::emu::fail("__shfl_xor names a lane outside the warp");
-  fk::emu::shuffle_slots[t] = v;
-  fk::emu::warp_sync();
-  const float result = fk::emu::shuffle_slots[other];
-  fk::emu::warp_sync();
+namespace fk::emu {
+// Every lane of the warp calls it together (see the top of this file): v in, thread `src`'s v out.
+inline float exchange(float v, unsigned src, const char* bad_lane) {
+  const unsigned t = linear_thread(), warp = unsigned(device.warp_size);
+  if (src >= block_threads() || src / warp != t / warp) fail(bad_lane);
+  {
+    Untracked untracked;
+    shuffle_slots[t] = v;
+  }
+  warp_sync();
+  float result;
+  {
+    Untracked untracked;
+    result = shuffle_slots[src];
+  }
+  warp_sync();
   return result;
+}
+}  // namespace fk::emu
+
+inline float __shfl_xor(float v, int lane_mask) {
+  if (unsigned(lane_mask) >= unsigned(fk::emu::device.warp_size)) fk::emu::fail("__shfl_xor names a lane outside the warp");
+  return fk::emu::exchange(v, fk::emu::linear_thread() ^ unsigned(lane_mask), "__shfl_xor names a lane outside the block");
 }
 
 inline float __shfl(float v, int src_lane) {
-  const unsigned t = fk::emu::linear_thread(), base = t - t % unsigned(fk::emu::warp_size);
-  const unsigned other = base + unsigned(src_lane);
-  if (unsigned(src_lane) >= unsigned(fk::emu::warp_size) || other >= fk::emu::block_threads())
-    fk::emu::fail("__shfl names a lane outside the warp");
-  fk::emu::shuffle_slots[t] = v;
-  fk::emu::warp_sync();
-  const float result = fk::emu::shuffle_slots[other];
-  fk::emu::warp_sync();
-  return result;
+  const unsigned t = fk::emu::linear_thread(), base = t - t % unsigned(fk::emu::device.warp_size);
+  if (unsigned(src_lane) >= unsigned(fk::emu::device.warp_size)) fk::emu::fail("__shfl names a lane outside the warp");
+  return fk::emu::exchange(v, base + unsigned(src_lane), "__shfl names a lane outside the block");
 }
 
 namespace fk {
 using gpuStream_t = void*;
 using gpuError_t = int;
 inline constexpr gpuError_t gpuSuccess = 0;
-inline gpuError_t gpuGetLastError() { return 0; }
-inline const char* gpuGetErrorString(gpuError_t) { return "emulated launch error"; }
+inline gpuError_t gpuGetLastError() { return std::exchange(emu::last_error, 0); }
+inline const char* gpuGetErrorString(gpuError_t e) { return emu::error_string(e); }
 inline int gpuCurrentDevice() { return 0; }
 inline int gpuMultiprocessorCount(int) { return 4; }
-inline int gpuWarpSize(int) { return emu::warp_size; }
+inline int gpuWarpSize(int) { return emu::device.warp_size; }
 template <typename Kernel>
 int gpuMaxActiveBlocksPerSM(Kernel, int) {
   return 2;
 }
+template <typename Kernel>
+gpuError_t gpuSetMaxDynamicShared(Kernel kernel, int bytes) {
+  return emu::set_max_dynamic_shared(kernel, bytes);
+}
 }  // namespace fk
 
-// ---- platform.h's asynchronous copies (done at once) and warp matrix instructions ----
+// ---- platform.h's asynchronous copies and warp matrix instructions ----
 // Emulating a CUDA build, a copy lands only when a cp_async_wait of its thread retires its group;
 // until then its destination holds 0xff bytes (NaN as fp16 and bf16), so a read that a missing
 // wait or barrier leaves too early shows up. Emulating HIP, it is done at once, as on AMD.
@@ -205,45 +631,73 @@ inline void cp_async16(void* smem, const void* gmem, bool valid) {
   std::memcpy(smem, copy.bytes, 16);
 #else
   std::memset(smem, 0xff, 16);
-  emu::async_open.push_back(copy);
+  emu::Untracked untracked;
+  emu::me().async_open.push_back(copy);
 #endif
 }
 inline void cp_async_commit() {
-  emu::async_groups.push_back(std::move(emu::async_open));
-  emu::async_open.clear();
+  emu::Untracked untracked;
+  emu::Thread& t = emu::me();
+  t.async_groups.push_back(std::move(t.async_open));
+  t.async_open.clear();
 }
 template <int kPending>
 void cp_async_wait() {
-  while (emu::async_groups.size() > size_t(kPending)) {
-    for (const emu::AsyncCopy& c : emu::async_groups.front()) std::memcpy(c.dst, c.bytes, 16);
-    emu::async_groups.erase(emu::async_groups.begin());
+  std::vector<emu::AsyncCopy> landing;
+  {
+    emu::Untracked untracked;
+    emu::Thread& t = emu::me();
+    while (t.async_groups.size() > size_t(kPending)) {
+      landing.insert(landing.end(), t.async_groups.front().begin(), t.async_groups.front().end());
+      t.async_groups.erase(t.async_groups.begin());
+    }
   }
+  for (const emu::AsyncCopy& c : landing) std::memcpy(c.dst, c.bytes, 16);  // the copies' writes: tracked
 }
 
 namespace emu {
 inline uint16_t half_word(uint32_t w, int i) { return uint16_t(w >> (16 * i)); }
 
-// Element k of the 16-bit values packed in slot words [first, first + n) of a thread.
-inline uint16_t slot_element(unsigned thread, int first_word, int k) {
-  return half_word(word_slots[thread][first_word + k / 2], k % 2);
+// Every lane of this thread's warp puts its operand words; each gets all of them.
+template <int kWords>
+void exchange_words(const uint32_t (&mine)[kWords], std::array<uint32_t, 8> (&lanes)[64], int warp) {
+  const unsigned t = linear_thread(), base = t - t % unsigned(warp);
+  {
+    Untracked untracked;
+    for (int i = 0; i < kWords; ++i) word_slots[t][i] = mine[i];
+  }
+  warp_sync();
+  {
+    Untracked untracked;
+    for (int l = 0; l < warp; ++l) lanes[l] = word_slots[base + unsigned(l)];
+  }
+  warp_sync();
 }
 
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
-  if (warp_size != 32) fail("ldmatrix on a device whose warp is not 32 lanes");
+  if (device.warp_size != 32) fail("ldmatrix on a device whose warp is not 32 lanes");
   const unsigned t = linear_thread(), lane = t % 32, base = t - lane;
-  pointer_slots[t] = row;
+  const uint16_t* rows[32];
+  {
+    Untracked untracked;
+    pointer_slots[t] = row;
+  }
   warp_sync();
-  for (int i = 0; i < 4; ++i) {
+  {
+    Untracked untracked;
+    for (unsigned l = 0; l < 32; ++l) rows[l] = static_cast<const uint16_t*>(pointer_slots[base + l]);
+  }
+  warp_sync();
+  for (int i = 0; i < 4; ++i) {  // the shared-memory reads are the instruction's own: tracked
     if (!trans) {  // row lane / 4 of matrix i, columns 2 (lane % 4) and the next one
-      const auto* src = static_cast<const uint16_t*>(pointer_slots[base + 8 * i + lane / 4]);
+      const uint16_t* src = rows[8 * i + lane / 4];
       r[i] = uint32_t(src[2 * (lane % 4)]) | uint32_t(src[2 * (lane % 4) + 1]) << 16;
     } else {  // the same of the transpose: rows 2 (lane % 4) and the next one, column lane / 4
-      const auto* lo = static_cast<const uint16_t*>(pointer_slots[base + 8 * i + 2 * (lane % 4)]);
-      const auto* hi = static_cast<const uint16_t*>(pointer_slots[base + 8 * i + 2 * (lane % 4) + 1]);
+      const uint16_t* lo = rows[8 * i + 2 * (lane % 4)];
+      const uint16_t* hi = rows[8 * i + 2 * (lane % 4) + 1];
       r[i] = uint32_t(lo[lane / 4]) | uint32_t(hi[lane / 4]) << 16;
     }
   }
-  warp_sync();
 }
 }  // namespace emu
 
@@ -252,44 +706,44 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) { emu::ldmatrix
 
 template <typename T>
 void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if (emu::warp_size != 32) emu::fail("mma.sync on a device whose warp is not 32 lanes");
-  const unsigned t = emu::linear_thread(), lane = t % 32, base = t - lane;
-  for (int i = 0; i < 4; ++i) emu::word_slots[t][i] = a[i];
-  emu::word_slots[t][4] = b[0], emu::word_slots[t][5] = b[1];
-  emu::warp_sync();
+  if (emu::device.warp_size != 32) emu::fail("mma.sync on a device whose warp is not 32 lanes");
+  const unsigned lane = emu::linear_thread() % 32;
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  std::array<uint32_t, 8> lanes[64];
+  emu::exchange_words(mine, lanes, 32);
   const int g = int(lane / 4), tid = int(lane % 4);
   for (int e = 0; e < 4; ++e) {
     const int row = g + 8 * (e / 2), col = 2 * tid + e % 2;
     float acc = 0.f;
     for (int k = 0; k < 16; ++k) {
-      const unsigned a_lane = base + unsigned((row % 8) * 4 + (k % 8) / 2);
+      const unsigned a_lane = unsigned((row % 8) * 4 + (k % 8) / 2);
       const int a_word = row / 8 + 2 * (k / 8);
-      const unsigned b_lane = base + unsigned(col * 4 + (k % 8) / 2);
+      const unsigned b_lane = unsigned(col * 4 + (k % 8) / 2);
       const int b_word = 4 + k / 8;
-      acc += to_float(T{emu::half_word(emu::word_slots[a_lane][a_word], k % 2)}) *
-             to_float(T{emu::half_word(emu::word_slots[b_lane][b_word], k % 2)});
+      acc += to_float(T{emu::half_word(lanes[a_lane][a_word], k % 2)}) *
+             to_float(T{emu::half_word(lanes[b_lane][b_word], k % 2)});
     }
     d[e] += acc;
   }
-  emu::warp_sync();
 }
 
 template <typename T>
 void mfma_16x16x16(float (&d)[4], const uint32_t (&a)[2], const uint32_t (&b)[2]) {
-  if (emu::warp_size != 64) emu::fail("MFMA on a device whose wavefront is not 64 lanes");
-  const unsigned t = emu::linear_thread(), lane = t % 64, base = t - lane;
-  emu::word_slots[t][0] = a[0], emu::word_slots[t][1] = a[1], emu::word_slots[t][2] = b[0], emu::word_slots[t][3] = b[1];
-  emu::warp_sync();
+  if (emu::device.warp_size != 64) emu::fail("MFMA on a device whose wavefront is not 64 lanes");
+  const unsigned lane = emu::linear_thread() % 64;
+  const uint32_t mine[4] = {a[0], a[1], b[0], b[1]};
+  std::array<uint32_t, 8> lanes[64];
+  emu::exchange_words(mine, lanes, 64);
+  auto element = [&](unsigned l, int first_word, int k) { return emu::half_word(lanes[l][first_word + k / 2], k % 2); };
   const int col = int(lane % 16), q = int(lane / 16);
   for (int e = 0; e < 4; ++e) {
     const int row = 4 * q + e;
     float acc = 0.f;
     for (int k = 0; k < 16; ++k) {  // A(row, k) in lane row + 16 (k / 4); B(k, col) in lane col + 16 (k / 4)
-      acc += to_float(T{emu::slot_element(base + unsigned(row + 16 * (k / 4)), 0, k % 4)}) *
-             to_float(T{emu::slot_element(base + unsigned(col + 16 * (k / 4)), 2, k % 4)});
+      acc += to_float(T{element(unsigned(row + 16 * (k / 4)), 0, k % 4)}) *
+             to_float(T{element(unsigned(col + 16 * (k / 4)), 2, k % 4)});
     }
     d[e] += acc;
   }
-  emu::warp_sync();
 }
 }  // namespace fk

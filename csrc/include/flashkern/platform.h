@@ -15,6 +15,8 @@
 //   FK_LAUNCH_BOUNDS(threads, min_blocks)      __launch_bounds__ with an occupancy target on CUDA
 //                                              (HIP reads the second number differently: threads only)
 //   FK_DYNAMIC_SHARED(name)                    the block's dynamic shared memory, as uint8_t* name
+//   FK_STATIC_SHARED(type, name, dims)         a __shared__ array: FK_STATIC_SHARED(float, s, [4][33])
+//                                              (emulate.h gives each block its own)
 //   fk::gpuSetMaxDynamicShared(kernel, bytes)  allow more than 48 KB of it (CUDA needs the opt-in)
 //   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
 //                                              for a device whose wavefront is another width
@@ -133,13 +135,17 @@ inline constexpr bool kHipBuild = false;
 #if defined(FK_EMU)
 #define FK_LAUNCH(kernel, grid, block, stream) ::fk::emu::launcher(kernel, grid, block, 0)
 #define FK_LAUNCH_SMEM(kernel, grid, block, smem, stream) ::fk::emu::launcher(kernel, grid, block, smem)
-#define FK_DYNAMIC_SHARED(name) uint8_t* name = ::fk::emu::dynamic_shared.data()
+#define FK_DYNAMIC_SHARED(name) uint8_t* name = ::fk::emu::dynamic_shared()
+#define FK_STATIC_SHARED(type, name, dims)            \
+  static ::fk::emu::StaticShared fk_shared_##name;    \
+  type(&name) dims = *reinterpret_cast<type(*) dims>(fk_shared_##name.get(sizeof(type dims)))
 #else
 #define FK_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
 #define FK_LAUNCH_SMEM(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #define FK_DYNAMIC_SHARED(name)                              \
   extern __shared__ __align__(16) uint8_t fk_dynamic_shared[]; \
   uint8_t* name = fk_dynamic_shared
+#define FK_STATIC_SHARED(type, name, dims) __shared__ type name dims
 #endif
 
 // Without a block count ptxas may cap registers below what the threads allow and spill; with one

@@ -70,22 +70,22 @@ decltype(auto) with_decode_group(int group, F&& f) {
   }
 }
 
-// Launches `kernel` with `bytes` of dynamic shared memory, raising the limit where it needs to: once
-// per kernel and device (devices 0-63), not on every launch.
-template <typename Kernel>
-const char* launch_tiles(Kernel kernel, int blocks, int kv_heads, int threads, int bytes, const BatchAttentionParams& p,
+// Launches kKernel with `bytes` of dynamic shared memory. Above 48 KB a CUDA kernel needs its own
+// opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize), given here once per kernel and device
+// (devices 0-63) rather than on every launch: the flag is a static of this instantiation, and each
+// kernel is its own instantiation.
+template <auto kKernel>
+const char* launch_tiles(int blocks, int kv_heads, int threads, int bytes, const BatchAttentionParams& p,
                          gpuStream_t stream) {
-#if !defined(FK_EMU)
-  static std::atomic<uint64_t> raised{0};  // one per instantiation: a bit per device
+  static std::atomic<uint64_t> raised{0};  // a bit per device
   const int device = gpuCurrentDevice();
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bytes > 48 * 1024 && (bit == 0 || !(raised.load(std::memory_order_relaxed) & bit))) {
-    const gpuError_t e = gpuSetMaxDynamicShared(kernel, bytes);
+    const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);
     if (e != gpuSuccess) return gpuGetErrorString(e);
     raised.fetch_or(bit, std::memory_order_relaxed);
   }
-#endif
-  FK_LAUNCH_SMEM(kernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream)(p);
+  FK_LAUNCH_SMEM(kKernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream)(p);
   return last_launch_error();
 }
 
@@ -99,21 +99,21 @@ const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t strea
       if (p.grid[0] > 0) {
         error = with_decode_group(p.qo_heads / p.kv_heads, [&](auto g) {
           constexpr int G = decltype(g)::value;
-          return launch_tiles(decode_attention_kernel<T, D, G>, p.grid[0], p.kv_heads, DecodeShape<D>::kThreads,
-                              DecodeShape<D>::shared_bytes(G), p, stream);
+          return launch_tiles<decode_attention_kernel<T, D, G>>(p.grid[0], p.kv_heads, DecodeShape<D>::kThreads,
+                                                                 DecodeShape<D>::shared_bytes(G), p, stream);
         });
         if (error) return error;
       }
       if (p.grid[1] > 0) {
         using S = TileShape<D, 16, kWarp>;
-        error = launch_tiles(multi_query_attention_kernel<T, D, 16, kWarp>, p.grid[1], p.kv_heads, S::kThreads,
-                             S::kSharedBytes, p, stream);
+        error = launch_tiles<multi_query_attention_kernel<T, D, 16, kWarp>>(p.grid[1], p.kv_heads, S::kThreads,
+                                                                            S::kSharedBytes, p, stream);
         if (error) return error;
       }
       if (p.grid[2] > 0) {
         using S = TileShape<D, 64, kWarp>;
-        error = launch_tiles(multi_query_attention_kernel<T, D, 64, kWarp>, p.grid[2], p.kv_heads, S::kThreads,
-                             S::kSharedBytes, p, stream);
+        error = launch_tiles<multi_query_attention_kernel<T, D, 64, kWarp>>(p.grid[2], p.kv_heads, S::kThreads,
+                                                                            S::kSharedBytes, p, stream);
         if (error) return error;
       }
       if (p.grid[3] > 0 && p.batch > 0) {

@@ -25,7 +25,7 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
 FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
   constexpr int kMaxVecs = kRmsnormLimits.max_vecs_per_thread;
-  __shared__ float scratch[RowGroup<kWarp>::kMaxWarps];
+  FK_STATIC_SHARED(float, scratch, [RowGroup<kWarp>::kMaxWarps]);
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
   const W* w = static_cast<const W*>(p.weight);
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kRmsnormLimits.max_block_threads, 1)
 template <int kWarp, typename T, typename W, int kVec>
 FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPlan& plan) {
   constexpr int kMaxVecs = kRmsnormBackwardLimits.max_vecs_per_thread;
-  __shared__ float scratch[2 * RowGroup<kWarp>::kMaxWarps];
+  FK_STATIC_SHARED(float, scratch, [2 * RowGroup<kWarp>::kMaxWarps]);
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
   const int64_t row_vecs = ceil_div(p.cols, kVec);
@@ -216,7 +216,7 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
   if (plan.in_registers) {
     // Add the row groups' dw vector by vector: group g's lane l stages its kVec sums, then the
     // lanes of group 0 add them up over the groups and write the block's partial row.
-    __shared__ float stage[kRmsnormBackwardLimits.max_block_threads * kVec];
+    FK_STATIC_SHARED(float, stage, [kRmsnormBackwardLimits.max_block_threads * kVec]);
 #pragma unroll
     for (int k = 0; k < kMaxVecs; ++k) {
       if (k < plan.vecs_per_thread) {  // uniform over the block
@@ -255,7 +255,7 @@ inline constexpr int kReduceTile = 32;
 template <typename W>
 __global__ void __launch_bounds__(kReduceTile* kReduceTile)
     rmsnorm_dw_reduce_kernel(W* grad_weight, const float* partial, int64_t partial_rows, int64_t stride, int64_t cols) {
-  __shared__ float sums[kReduceTile][kReduceTile + 1];
+  FK_STATIC_SHARED(float, sums, [kReduceTile][kReduceTile + 1]);
   const int64_t c = int64_t(blockIdx.x) * kReduceTile + threadIdx.x;
   float s = 0.f;
   if (c < cols)
