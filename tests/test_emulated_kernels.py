@@ -425,12 +425,14 @@ def test_batch_attention_kernels_loop_over_items(attention_lib):
                         eo, e_lse, torch.bfloat16)
 
 
-def test_batch_attention_kernels_page_outside_the_cache(attention_lib):
-    """A stale plan naming a page the cache does not have: that request's output is NaN, the others are right."""
+@pytest.mark.parametrize("bad_page", ["past_the_end", "minus_one"])
+def test_batch_attention_kernels_page_outside_the_cache(attention_lib, bad_page):
+    """A page table naming a page the cache does not have (a stale plan, or -1 padding in a graph's
+    page-table buffer): that request's output is NaN, the others are right."""
     for group in (4, 8, 32):
         wrapper, q, cache, (eo, e_lse) = decode_plan([40, 40, 40], 16, 1, group, 64, torch.float16, seed=5)
         bad = wrapper._core._plan_info["kv_indices"][0].clone()
-        bad[3] = cache.shape[0] + 5  # request 1's second page (pages 0-2 are request 0's)
+        bad[3] = cache.shape[0] + 5 if bad_page == "past_the_end" else -1  # request 1's second page
         out, lse = run_attention(attention_lib, wrapper, q, cache, kv_indices=[bad])
         assert out[1].isnan().all() and lse[1].isnan().all()
         keep = torch.tensor([0, 2])

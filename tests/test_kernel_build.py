@@ -96,6 +96,20 @@ def test_cuda_kernels_compile_for_sm80_and_sm90_without_spills(cuda_build):
 
 
 
+def test_inline_asm_that_touches_memory_says_so():
+    """Every inline-asm statement in platform.h with a memory operand ([...]: cp.async, ldmatrix) or
+    that orders memory (commit, wait) has a "memory" clobber, so that the compiler keeps plain loads
+    and stores on their side of it; without one, nothing but a barrier in between stops it moving an
+    ldmatrix above the shared-memory stores it reads."""
+    source = (ROOT / "csrc" / "include" / "flashkern" / "platform.h").read_text()
+    statements = re.findall(r"asm volatile\((.*?)\);", source, flags=re.S)
+    assert len(statements) >= 5, statements
+    for statement in statements:
+        template = re.match(r'\s*"([^"]*)"', statement).group(1)
+        if "[%" in template or "cp.async" in template:
+            assert '"memory"' in statement, f"no memory clobber: {template.strip()}"
+
+
 def ptx_entries(ptx):
     """{mangled entry name: body} of a PTX file."""
     parts = re.split(r"\.visible \.entry (\S+)\(", ptx)

@@ -293,7 +293,8 @@ FK_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+               : "r"(a)
+               : "memory");  // reads shared memory: stays after the stores before it
 #else
   trap();
 #endif
@@ -303,7 +304,8 @@ FK_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+               : "r"(a)
+               : "memory");  // reads shared memory: stays after the stores before it
 #else
   trap();
 #endif

@@ -44,9 +44,11 @@ FK_DEVICE int tile_offset(int row, int d) {
 // [kRows, kHeadDim] K and V tiles, 16 bytes per copy: thread i copies column chunk i % kChunks of
 // rows i / kChunks + j * kRowsPerPass. The pages of the tile to be copied next are looked up one
 // tile ahead, so that the index loads are off the copies' critical path. A row past the chunk's end
-// is zero-filled (a zero value times a zero weight keeps the accumulators finite); a page index
-// outside the cache zero-fills too and sets `poisoned`, and the kernel then writes NaN for the
-// query instead of reading out of bounds. The caller commits and waits (cp.async groups).
+// copies the chunk's last token again (the kernels give it a zero weight; its values are finite,
+// unlike whatever a page holds past its last token), so that every row's page is an entry of the
+// page table and one check covers them all: a page index outside the cache (any int32, -1 included)
+// zero-fills and sets `poisoned`, and the kernel then writes NaN for the query instead of reading
+// out of bounds. The caller commits and waits (cp.async groups).
 template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle>
 struct KVPipeline {
   static constexpr int kChunks = kHeadDim / kVec16Bit;
@@ -64,7 +66,7 @@ struct KVPipeline {
   int kv_begin, kv_end;
   int chunk, row0;
   int next;                 // the first token of the tile that the next copy() copies
-  int32_t page[kPasses];    // its pages, row by row; -1: past the chunk's end
+  int32_t page[kPasses];    // its pages, row by row
   T* stages;                // kStages x kStageElems in shared memory
   bool poisoned = false;    // a page outside the cache was named
 
@@ -106,9 +108,13 @@ struct KVPipeline {
     next = start;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const int pos = start + row0 + i * kRowsPerPass;
-      page[i] = pos < kv_end ? pages[page_size.div(uint32_t(pos))] : -1;
+      const int pos = last_token(start + row0 + i * kRowsPerPass);
+      page[i] = pos >= kv_begin ? pages[page_size.div(uint32_t(pos))] : 0;  // an empty chunk copies nothing
     }
+  }
+
+  // The token a row at `pos` copies: itself, or the chunk's last one past the end.
+  FK_DEVICE int last_token(int pos) const { return pos < kv_end ? pos : kv_end - 1;
   }
 
   // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each).
@@ -117,9 +123,9 @@ struct KVPipeline {
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
       const bool in_cache = uint32_t(page[i]) < num_pages;
-      poisoned |= page[i] != -1 && !in_cache;
+      poisoned |= !in_cache;
       uint32_t q, slot;  // the slot is recomputed rather than kept: fewer registers per row
-      page_size.divmod(uint32_t(next + row), q, slot);
+      page_size.divmod(uint32_t(last_token(next + row)), q, slot);
       const int64_t pg = in_cache ? page[i] : 0;
       const int off = tile_offset<kHeadDim, kSwizzle>(row, chunk * kVec16Bit);
       cp_async16(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
