@@ -27,32 +27,40 @@ I64 = ctypes.POINTER(ctypes.c_int64)
 # FK_EMU_SANITIZER=thread|address builds the emulated kernels with that sanitizer; the process must have
 # its runtime preloaded (tests/test_emulator_checks.py runs this module so).
 SANITIZER = os.environ.get("FK_EMU_SANITIZER")
+SOURCE_ROOT = Path(os.environ.get("FK_EMU_SOURCE_ROOT", ROOT))  # a mutated copy of csrc/ and tests/emu/
 SANITIZER_FLAGS = [f"-fsanitize={SANITIZER}", "-g", "-fno-omit-frame-pointer"] if SANITIZER else []
 
 
+_built = {}  # backend -> the library file, compiled once per session
+
+
 def build(tmp_path_factory, backend):
-    """The emulated kernel library from csrc/cuda/*.cu (warp 32) or csrc/hip/*.hip (wave64/wave32 launchers)."""
+    """The emulated kernel library from csrc/cuda/*.cu (warp 32) or csrc/hip/*.hip (wave64/wave32 launchers),
+    loaded from its own copy of the file: each instance keeps its own emulator state (the device)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++")
-    out = tmp_path_factory.mktemp(f"emu-{backend}")
-    # hidden: each library keeps its own emulator state (the warp width), however many are loaded
-    flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-fvisibility=hidden", "-DFK_EMULATE",
-             f"-I{ROOT / 'csrc' / 'include'}", *SANITIZER_FLAGS]
-    if backend == "hip":
-        flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
-    pattern = "*.cu" if backend == "cuda" else "*.hip"
-    sources = sorted((ROOT / "csrc" / backend).glob(pattern)) + [ROOT / "tests" / "emu" / "emu_ops.cpp"]
+    if backend not in _built:
+        out = tmp_path_factory.mktemp(f"emu-{backend}")
+        # hidden: the emulator's state is the library's own, however many are loaded
+        flags = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-DFK_EMULATE",
+                 f"-I{SOURCE_ROOT / 'csrc' / 'include'}", *SANITIZER_FLAGS]
+        if backend == "hip":
+            flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
+        pattern = "*.cu" if backend == "cuda" else "*.hip"
+        sources = sorted((SOURCE_ROOT / "csrc" / backend).glob(pattern)) + [SOURCE_ROOT / "tests" / "emu" / "emu_ops.cpp"]
 
-    def compile_one(src):
-        obj = out / (src.stem + ".o")
-        subprocess.run([cxx, *flags, "-x", "c++", "-c", str(src), "-o", str(obj)], check=True)
-        return str(obj)
+        def compile_one(src):
+            obj = out / (src.stem + ".o")
+            subprocess.run([cxx, *flags, "-x", "c++", "-c", str(src), "-o", str(obj)], check=True)
+            return str(obj)
 
-    with ThreadPoolExecutor(2) as pool:
-        objects = list(pool.map(compile_one, sources))
-    so = out / "libfkemu.so"
-    subprocess.run([cxx, "-shared", "-pthread", *SANITIZER_FLAGS, *objects, "-o", str(so)], check=True)
+        with ThreadPoolExecutor(2) as pool:
+            objects = list(pool.map(compile_one, sources))
+        _built[backend] = out / "libfkemu.so"
+        subprocess.run([cxx, "-shared", *SANITIZER_FLAGS, *objects, "-o", str(_built[backend])], check=True)
+    so = tmp_path_factory.mktemp(f"emu-{backend}") / "libfkemu.so"
+    shutil.copyfile(_built[backend], so)
     lib = ctypes.CDLL(str(so))
     P, L, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # tests/emu/emu_ops.cpp
@@ -168,12 +176,13 @@ def test_rmsnorm_kernel(emu, rows, cols, dtype, weight_fp32, residual):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_rmsnorm_kernel_layouts(emu, dtype):
-    """Strided rows, a misaligned start (scalar path), and [tokens, heads, head_dim] views of a qkv buffer."""
+    """Strided rows, a misaligned start (scalar path), 16-byte rows that end in a partial vector (wide path
+    with a tail), and [tokens, heads, head_dim] views of a qkv buffer."""
     base = rand((37, 4096 + 24), dtype, "cpu", seed=4)
-    w = rand((4096,), dtype, "cpu", seed=5)
-    for x in (base[:, 8 : 8 + 4096], base[:, 1 : 1 + 4096]):
-        out = nan_like(base)[:, 3 : 3 + 4096]
-        ok(emu.emu_rmsnorm(ptr(out), ptr(x), None, ptr(w), 37, 4096, layout(out), layout(x), layout(x), DTYPE[dtype],
+    for cols, x_at, out_at in ((4096, 8, 3), (4096, 1, 3), (4093, 8, 0)):
+        x, out = base[:, x_at : x_at + cols], nan_like(base)[:, out_at : out_at + cols]
+        w = rand((cols,), dtype, "cpu", seed=5)
+        ok(emu.emu_rmsnorm(ptr(out), ptr(x), None, ptr(w), 37, cols, layout(out), layout(x), layout(x), DTYPE[dtype],
                            DTYPE[dtype], ctypes.c_float(1e-6), ctypes.c_float(1.0)))
         assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6, 1.0), dtype)
     qkv = rand((9, 12 * 64), dtype, "cpu", seed=6)

@@ -31,6 +31,7 @@
 // 16-bit conversion instructions (numeric.h's software conversions run instead).
 #pragma once
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -229,12 +230,17 @@ struct Barrier {
   unsigned expected = 0, arrived = 0;
   std::vector<unsigned> waiting;
   bool orders_memory = false;  // __syncthreads; not the warp-wide exchanges
+  unsigned phase = 0;          // completed rounds
+  char sync[2];                // TSan: a round's arrivals before its departures, one address per round
+                               // (a thread resumed late must not acquire the next round's arrivals)
 };
 
-// A cp.async copy (platform.h: cp_async16) not landed yet.
+// A cp.async copy (platform.h: cp_async16) not landed yet, and its commit group (the thread's
+// count of commits when it was issued).
 struct AsyncCopy {
   void* dst;
   uint8_t bytes[16];
+  uint64_t group;
 };
 
 // An execution context: a GPU thread, or the host thread that launched the block.
@@ -250,8 +256,8 @@ struct Thread : Context {
   dim3 thread_idx;
   unsigned index = 0;  // linear, in the block
   Barrier* warp = nullptr;
-  std::vector<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
-  std::vector<AsyncCopy> async_open;                 // not committed yet
+  std::vector<AsyncCopy> async_copies;  // in flight, oldest first
+  uint64_t commits = 0;
 };
 
 // Per block: fresh barriers (TSan keys synchronization by address), fresh shared memory.
@@ -292,6 +298,18 @@ inline uint8_t* shared_allocation(size_t bytes) {  // 16-byte aligned, 0xff-fill
 inline void free_shared(uint8_t* p) { ::operator delete[](p, std::align_val_t(16)); }
 
 // ---- switching between contexts ----
+// glibc's own swapcontext: ASan's wrapper clears the shadow of the whole target stack on every
+// switch, which the fiber annotations in jump() make unnecessary (and which costs more than the rest).
+inline int libc_swapcontext(ucontext_t* from, const ucontext_t* to) {
+  using Swap = int (*)(ucontext_t*, const ucontext_t*);
+  static const Swap swap = [] {
+    void* libc = dlopen("libc.so.6", RTLD_LAZY | RTLD_NOLOAD);
+    void* f = libc ? dlsym(libc, "swapcontext") : nullptr;
+    return f ? reinterpret_cast<Swap>(f) : &swapcontext;
+  }();
+  return swap(from, to);
+}
+
 inline Context* switching_from = nullptr;
 inline void jump(Context& from, Context& to, bool from_finished) {
   void* to_stack;
@@ -310,7 +328,7 @@ inline void jump(Context& from, Context& to, bool from_finished) {
   __tsan_switch_to_fiber(to_tsan, __tsan_switch_to_fiber_no_sync);
 #endif
   (void)from_finished, (void)to_stack, (void)to_stack_bytes, (void)to_tsan;
-  swapcontext(&from.uc, &to.uc);
+  libc_swapcontext(&from.uc, &to.uc);
 #if defined(FK_EMU_ASAN)
   __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
@@ -349,11 +367,17 @@ inline void run_next(bool finished) {
 }
 
 inline void arrive_and_wait(Barrier& barrier) {
-  if (barrier.orders_memory) tsan_release(&barrier);
+  void* sync;
+  {
+    Untracked untracked;
+    sync = &barrier.sync[barrier.phase % 2];
+  }
+  if (barrier.orders_memory) tsan_release(sync);
   {
     Untracked untracked;
     if (++barrier.arrived == barrier.expected) {
       barrier.arrived = 0;
+      ++barrier.phase;
       this_block->ready.insert(this_block->ready.end(), barrier.waiting.begin(), barrier.waiting.end());
       barrier.waiting.clear();
       this_block->ready.push_back(me().index);
@@ -362,7 +386,7 @@ inline void arrive_and_wait(Barrier& barrier) {
     }
   }
   run_next(false);
-  if (barrier.orders_memory) tsan_acquire(&barrier);
+  if (barrier.orders_memory) tsan_acquire(sync);
 }
 
 inline void warp_sync() {
@@ -390,22 +414,45 @@ inline void thread_main() {
   {
     Untracked untracked;
     Thread& t = me();
-    bool in_flight = !t.async_open.empty();
-    for (const auto& group : t.async_groups) in_flight = in_flight || !group.empty();
-    if (in_flight) fail("a block ended with cp.async copies not waited for");
+    if (!t.async_copies.empty()) fail("a block ended with cp.async copies not waited for");
   }
   tsan_release(&launch_end);
   run_next(true);
   fail("a finished thread was resumed");
 }
 
-inline void* map_stack(size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) fail("no memory for a thread's stack");
+// Thread t's stack: one mapping per thread index, kept from block to block, except under TSan,
+// where each block's threads get new mappings (TSan would take a stack reused by another of its
+// threads for shared memory).
+inline std::vector<void*> stacks;
+inline void* stack_of(unsigned t) {
+  if (stacks.size() <= t) stacks.resize(t + 1, nullptr);
+  if (stacks[t] == nullptr) {
+    void* p = mmap(nullptr, Thread::kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) fail("no memory for a thread's stack");
+    stacks[t] = p;
+  }
 #if defined(FK_EMU_ASAN)
-  __asan_unpoison_memory_region(p, bytes);
+  __asan_unpoison_memory_region(stacks[t], Thread::kStackBytes);  // what the thread before left poisoned
 #endif
-  return p;
+  return stacks[t];
+}
+inline void release_stack(unsigned t) {
+  munmap(stacks[t], Thread::kStackBytes);
+  stacks[t] = nullptr;
+}
+
+// TSan: the fibers of the block that ran before the current one, destroyed only after it: a
+// destroyed fiber's slot goes to the next fiber created, which TSan then takes as ordered after all
+// that the old one did (and TSan allows 8128 threads, so not every block's can stay). Races are
+// seen between consecutive blocks; TSan's 255 slots, shared in turn, bound it further (see the top).
+inline std::vector<void*> previous_block_fibers;
+inline void destroy_fibers(std::vector<void*>& fibers) {
+#if defined(FK_EMU_TSAN)
+  for (void* fiber : fibers) __tsan_destroy_fiber(fiber);
+#endif
+  fibers.clear();
 }
 
 // Runs one block: every thread from the start of `body` to its end.
@@ -430,10 +477,10 @@ inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_sha
       th.index = t;
       th.thread_idx = dim3(t % block_dim.x, (t / block_dim.x) % block_dim.y, t / (block_dim.x * block_dim.y));
       th.warp = &this_block->warps[t / device.warp_size];
-      th.async_groups.clear();
-      th.async_open.clear();
+      th.async_copies.clear();
+      th.commits = 0;
       th.stack_bytes = Thread::kStackBytes;
-      th.stack = map_stack(th.stack_bytes);
+      th.stack = stack_of(t);
       getcontext(&th.uc);
       th.uc.uc_stack.ss_sp = th.stack;
       th.uc.uc_stack.ss_size = th.stack_bytes;
@@ -453,13 +500,13 @@ inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_sha
   {
     Untracked untracked;
     running.store(nullptr, std::memory_order_relaxed);
-    for (Thread& th : threads) {
+    destroy_fibers(previous_block_fibers);
 #if defined(FK_EMU_TSAN)
-      __tsan_destroy_fiber(th.tsan);
-#endif
-      munmap(th.stack, th.stack_bytes);
-      th.stack = nullptr;
+    for (unsigned t = 0; t < n; ++t) {
+      previous_block_fibers.push_back(threads[t].tsan);
+      release_stack(t);
     }
+#endif
     free_shared(this_block->dynamic_shared);
     for (uint8_t* p : this_block->static_shared) free_shared(p);
     delete this_block;
@@ -500,6 +547,8 @@ struct Launcher {
     const unsigned blocks = grid.x * grid.y * grid.z;
     for (unsigned b = 0; b < blocks; ++b) run_block(b, ++serial, shared_bytes, [] { std::apply(launched, *arguments); });
     tsan_acquire(&launch_end);
+    Untracked untracked;
+    destroy_fibers(previous_block_fibers);
   }
 };
 
@@ -625,34 +674,36 @@ gpuError_t gpuSetMaxDynamicShared(Kernel kernel, int bytes) {
 // wait or barrier leaves too early shows up. Emulating HIP, it is done at once, as on AMD.
 namespace fk {
 inline void cp_async16(void* smem, const void* gmem, bool valid) {
-  emu::AsyncCopy copy{smem, {}};
+  emu::AsyncCopy copy{smem, {}, 0};
   if (valid) std::memcpy(copy.bytes, gmem, 16);
 #if defined(FK_EMULATE_HIP)
   std::memcpy(smem, copy.bytes, 16);
 #else
   std::memset(smem, 0xff, 16);
   emu::Untracked untracked;
-  emu::me().async_open.push_back(copy);
+  emu::Thread& t = emu::me();
+  copy.group = t.commits;
+  t.async_copies.push_back(copy);
 #endif
 }
 inline void cp_async_commit() {
   emu::Untracked untracked;
-  emu::Thread& t = emu::me();
-  t.async_groups.push_back(std::move(t.async_open));
-  t.async_open.clear();
+  ++emu::me().commits;
 }
 template <int kPending>
-void cp_async_wait() {
-  std::vector<emu::AsyncCopy> landing;
+void cp_async_wait() {  // lands the copies of every group but the newest kPending committed ones
+  emu::AsyncCopy* copies;
+  size_t landing = 0;
   {
     emu::Untracked untracked;
     emu::Thread& t = emu::me();
-    while (t.async_groups.size() > size_t(kPending)) {
-      landing.insert(landing.end(), t.async_groups.front().begin(), t.async_groups.front().end());
-      t.async_groups.erase(t.async_groups.begin());
-    }
+    copies = t.async_copies.data();
+    while (landing < t.async_copies.size() && t.async_copies[landing].group + kPending < t.commits) ++landing;
   }
-  for (const emu::AsyncCopy& c : landing) std::memcpy(c.dst, c.bytes, 16);  // the copies' writes: tracked
+  for (size_t i = 0; i < landing; ++i) std::memcpy(copies[i].dst, copies[i].bytes, 16);  // the copies' writes: tracked
+  emu::Untracked untracked;
+  std::vector<emu::AsyncCopy>& in_flight = emu::me().async_copies;
+  in_flight.erase(in_flight.begin(), in_flight.begin() + std::ptrdiff_t(landing));
 }
 
 namespace emu {
