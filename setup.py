@@ -5,8 +5,12 @@ linked with the thin torch glue (csrc/torch) into the extension flashkern._C. Wh
   CUDA  when torch was built with CUDA (torch.version.cuda) and nvcc is found; a GPU is not needed
   HIP   when torch was built with ROCm (torch.version.hip)
   none  otherwise: a CPU-only build that still registers every op (the CPU reference runs them)
+Always (unless FLASHKERN_BUILD_EMULATE=0), with the C++ compiler alone: the CUDA launchers and the
+HIP launchers compiled for the CPU emulation (emulate.h), as flashkern._emulate and
+flashkern._emulate_wave64, the kernels behind FLASHKERN_BACKEND=emulate and emulate-wave64.
 Environment:
   FLASHKERN_BUILD_BACKEND   force "cuda", "hip" or "cpu"
+  FLASHKERN_BUILD_EMULATE   "0": no emulate backends
   FLASHKERN_CUDA_ARCHS      CMake CUDA architectures, default "80-real;90"
   FLASHKERN_HIP_ARCHS       AMD targets, default "gfx90a;gfx942;gfx1100"
   MAX_JOBS                  parallel compile jobs
@@ -59,32 +63,43 @@ def choose_backend():
 
 BACKEND = choose_backend()
 ARCHS = os.environ.get(f"FLASHKERN_{BACKEND.upper()}_ARCHS", DEFAULT_ARCHS.get(BACKEND, ""))
+EMULATE = os.environ.get("FLASHKERN_BUILD_EMULATE", "1") != "0"
+EMULATED = {"_emulate": "cuda", "_emulate_wave64": "hip"}  # module -> the launchers it runs
 
 
 class BuildKernelsThenExtension(BuildExtension):
     """Build the kernel library with CMake, then the extension that links it."""
 
     def build_extensions(self):
+        libraries = {}
         if BACKEND != "cpu":
-            library = self.build_kernels()
-            for ext in self.extensions:
+            libraries["_C"] = self.cmake(f"kernels-{BACKEND}", f"-DFLASHKERN_{BACKEND.upper()}=ON",
+                                         f"-DFLASHKERN_{BACKEND.upper()}_ARCHS={ARCHS}",
+                                         *([f"-DCMAKE_CUDA_COMPILER={find_nvcc()}"] if BACKEND == "cuda" else []))
+            libraries["_C"] = libraries["_C"] / f"libflashkern_{BACKEND}.a"
+        if EMULATE:
+            build = self.cmake("kernels-emulate", "-DFLASHKERN_EMULATE=ON")
+            for module, flavor in EMULATED.items():
+                libraries[module] = build / f"libflashkern_emulate_{flavor}.a"
+        for ext in self.extensions:
+            library = libraries.get(ext.name.split(".")[-1])
+            if library:
                 ext.extra_objects.append(str(library))
         super().build_extensions()
 
-    def build_kernels(self):
-        build = ROOT / "build" / f"kernels-{BACKEND}"
-        configure = [
-            "cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-            f"-DFLASHKERN_{BACKEND.upper()}=ON", f"-DFLASHKERN_{BACKEND.upper()}_ARCHS={ARCHS}",
-        ]
-        if BACKEND == "cuda":
-            configure.append(f"-DCMAKE_CUDA_COMPILER={find_nvcc()}")
+    def cmake(self, name, *options):
+        """Configures and builds build/<name> with `options`; returns the build directory."""
+        build = ROOT / "build" / name
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         start = time.time()
-        subprocess.check_call(configure)
+        subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                               *options])
         subprocess.check_call(["cmake", "--build", str(build), "--parallel", jobs])
-        print(f"flashkern: {BACKEND} kernels for {ARCHS} built in {time.time() - start:.1f} s", flush=True)
-        return build / f"libflashkern_{BACKEND}.a"
+        print(f"flashkern: {name} built in {time.time() - start:.1f} s", flush=True)
+        return build
+
+
+CXX_FLAGS = ["-O2", "-std=c++20", "-fvisibility=hidden"]
 
 
 def extension():
@@ -105,10 +120,19 @@ def extension():
         sources,
         include_dirs=[str(ROOT / "csrc" / "include")],
         define_macros=[("FLASHKERN_BACKEND", f'"{BACKEND}"'), ("FLASHKERN_ARCHS", f'"{ARCHS}"')],
-        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden"]},
+        extra_compile_args={"cxx": CXX_FLAGS},
         libraries=libraries,
         library_dirs=library_dirs,
     )
+
+
+def emulated_extensions():
+    """flashkern._emulate[_wave64]: the torch glue over the launchers compiled for the CPU emulation."""
+    if not EMULATE:
+        return []
+    return [CppExtension(f"flashkern.{module}", [f"csrc/torch/emulated_ops{module[len('_emulate'):]}.cpp"],
+                         include_dirs=[str(ROOT / "csrc" / "include")], extra_compile_args={"cxx": CXX_FLAGS})
+            for module in EMULATED]
 
 
 setup(
@@ -117,7 +141,7 @@ setup(
     description="Hand-written CUDA and HIP kernels for LLM inference and training, as PyTorch ops",
     package_dir={"": "python"},
     packages=find_packages("python"),
-    ext_modules=[extension()],
+    ext_modules=[extension(), *emulated_extensions()],
     cmdclass={"build_ext": BuildKernelsThenExtension.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["flashkern = flashkern.cli:main"]},
     python_requires=">=3.9",

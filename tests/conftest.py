@@ -1,19 +1,61 @@
 """Shared test helpers. Every numeric test is parametrized over DEVICES: the CPU (the reference
-backend) always, and the GPU where one is visible, so the GPU tests are these same functions."""
+backend) always, the GPU where one is visible, so the GPU tests are these same functions, and the
+emulated kernels (the `emulate` backends: CPU tensors, the CUDA or HIP kernels' own code run by the
+CPU emulation) named in FLASHKERN_TEST_EMULATE (default "emulate,emulate-wave64"; "" for none)."""
+
+import os
 
 import pytest
 import torch
 
+import flashkern
 from flashkern.tolerances import tolerance
 
+
+class Emulated(str):
+    """The "cpu" device under an emulate backend (the test runs with flashkern.set_backend(backend))."""
+
+    def __new__(cls, backend):
+        device = super().__new__(cls, "cpu")
+        device.backend = backend
+        return device
+
+
 GPU = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if GPU else [])
+EMULATED = [Emulated(b) for b in os.environ.get("FLASHKERN_TEST_EMULATE", "emulate,emulate-wave64").split(",") if b]
+DEVICES = ["cpu"] + (["cuda"] if GPU else []) + EMULATED
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
+        metafunc.parametrize("device", DEVICES, ids=[getattr(d, "backend", d) for d in DEVICES])
+
+
+@pytest.fixture(autouse=True)
+def _emulate_backend(request):
+    """Runs a test parametrized with an Emulated device under its backend."""
+    device = getattr(request.node, "callspec", None) and request.node.callspec.params.get("device")
+    if not isinstance(device, Emulated):
+        yield
+        return
+    previous = flashkern.set_backend(device.backend)
+    try:
+        yield
+    finally:
+        flashkern.set_backend(previous)
+
+
+def emulated(device):
+    """True for an Emulated device: the kernels run, not the reference (their semantics, e.g. NaN where
+    the reference raises; their size limits; an emulation thousands of times slower than a GPU)."""
+    return isinstance(device, Emulated)
+
+
+def skip_if_emulated(device, why):
+    """Cases the CPU emulation cannot afford (`why` says which); the same case runs on the reference and on a GPU."""
+    if emulated(device):
+        pytest.skip(f"{device.backend}: {why}")
 
 
 def rand(shape, dtype, device, scale=1.0, seed=0):

@@ -3,6 +3,9 @@
 // current stream. The checks mirror python/flashkern/_validate.py, which guards the CPU
 // reference and the fake functions, so a direct torch.ops caller gets the same TypeError or
 // ValueError on every device.
+// Built with FLASHKERN_EMULATED_OPS=<namespace> and linked with the launchers compiled for the CPU
+// emulation (CMakeLists.txt: FLASHKERN_EMULATE), the same code serves CPU tensors as the ops of that
+// namespace, which the emulate backends call (python/flashkern/_backend.py).
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,10 +26,50 @@ using at::Tensor;
 
 // The current stream of t's device as the runtime's handle (cudaStream_t or hipStream_t).
 void* current_stream(const Tensor& t) {
+#if defined(FLASHKERN_EMULATED_OPS)
+  (void)t;
+  return nullptr;  // the emulation runs each launch at once, on the calling thread
+#else
   return c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()).native_handle();
+#endif
 }
 
 void check_launch(const char* error, const char* op) { TORCH_CHECK(error == nullptr, op, ": kernel launch failed: ", error); }
+
+// A dtype as Python prints it ("torch.float16"), so that messages match the Python checks'.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kShort:
+      return "torch.int16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kBool:
+      return "torch.bool";
+    default:
+      return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// A shape or strides as Python prints the tuple ("(3, 2)", "(3,)"), for the same reason.
+std::string as_tuple(at::IntArrayRef v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (v.size() == 1 ? ",)" : ")");
+}
 
 fk::DType to_dtype(at::ScalarType t) {
   switch (t) {
@@ -42,7 +85,7 @@ fk::DType to_dtype(at::ScalarType t) {
 void check_float(const char* op, const char* name, const Tensor& t) {
   const auto s = t.scalar_type();
   TORCH_CHECK_TYPE(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat, op, ": ", name,
-                   " must be float16, bfloat16 or float32, got ", s);
+                   " must be float16, bfloat16 or float32, got ", dtype_name(s));
 }
 
 void check_same(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref,
@@ -50,15 +93,15 @@ void check_same(const char* op, const char* name, const Tensor& t, const char* r
   TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
                     ref.device());
   TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have the dtype of ", ref_name, " (",
-                   ref.scalar_type(), "), got ", t.scalar_type());
+                   dtype_name(ref.scalar_type()), "), got ", dtype_name(t.scalar_type()));
   if (same_shape)
     TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ",
-                      ref.sizes(), ", got ", t.sizes());
+                      as_tuple(ref.sizes()), ", got ", as_tuple(t.sizes()));
 }
 
 void check_last_dim_contiguous(const char* op, const char* name, const Tensor& t) {
   TORCH_CHECK_VALUE(t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1), op, ": ", name,
-                    " must be contiguous in its last dimension, got strides ", t.strides());
+                    " must be contiguous in its last dimension, got strides ", as_tuple(t.strides()));
 }
 
 // Rows of t (all dimensions but the last) as a two-level RowLayout, or nothing (see collapse_rows).
@@ -99,17 +142,18 @@ int64_t num_rows(const Tensor& t) { return t.size(-1) == 0 ? 0 : t.numel() / t.s
 void check_rmsnorm(const char* op, const Tensor& input, const Tensor& weight, double eps) {
   TORCH_CHECK_VALUE(input.dim() == 2 || input.dim() == 3, op,
                     ": input must be 2-D [tokens, hidden] or 3-D [tokens, heads, head_dim], got shape ",
-                    input.sizes());
+                    as_tuple(input.sizes()));
   check_float(op, "input", input);
   TORCH_CHECK_VALUE(input.size(-1) > 0, op, ": the hidden size (last dimension of input) must be positive");
   TORCH_CHECK_VALUE(weight.device() == input.device(), op, ": weight is on ", weight.device(), " but input is on ",
                     input.device());
   TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat, op,
-                   ": weight must be float32 or the dtype of input (", input.scalar_type(), "), got ",
-                   weight.scalar_type());
+                   ": weight must be float32 or the dtype of input (", dtype_name(input.scalar_type()), "), got ",
+                   dtype_name(weight.scalar_type()));
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == input.size(-1), op, ": weight must have shape [",
-                    input.size(-1), "] to match the last dimension of input, got ", weight.sizes());
-  TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ", weight.strides());
+                    input.size(-1), "] to match the last dimension of input, got ", as_tuple(weight.sizes()));
+  TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ",
+                    as_tuple(weight.strides()));
   check_last_dim_contiguous(op, "input", input);
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
 }
@@ -231,8 +275,8 @@ std::string public_name(c10::string_view activation, const char* suffix = "") {
 void check_half_output(const char* op, const char* name, const Tensor& t, const Tensor& input) {
   check_same(op, name, t, "input", input, /*same_shape=*/false);
   const std::vector<int64_t> expected = half_last_dim(input);
-  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), op, ": ", name, " must have shape ",
-                    at::IntArrayRef(expected), " (input's with the last dimension halved), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == expected, op, ": ", name, " must have shape ",
+                    as_tuple(expected), " (input's with the last dimension halved), got ", as_tuple(t.sizes()));
   check_last_dim_contiguous(op, name, t);
 }
 
@@ -352,27 +396,30 @@ std::tuple<Tensor, Tensor> act_mul_backward(const Tensor& grad_out, const Tensor
 // ---- rope ----
 
 int64_t check_rope(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions, const Tensor& freqs) {
-  TORCH_CHECK_VALUE(q.dim() == 3, op, ": q must be 3-D [tokens, heads, head_dim], got shape ", q.sizes());
+  TORCH_CHECK_VALUE(q.dim() == 3, op, ": q must be 3-D [tokens, heads, head_dim], got shape ",
+                    as_tuple(q.sizes()));
   check_float(op, "q", q);
   check_same(op, "k", k, "q", q, /*same_shape=*/false);
   TORCH_CHECK_VALUE(k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), op,
-                    ": k must be [tokens, heads, head_dim] with q's tokens and head_dim, got shape ", k.sizes());
+                    ": k must be [tokens, heads, head_dim] with q's tokens and head_dim, got shape ",
+                    as_tuple(k.sizes()));
   check_last_dim_contiguous(op, "q", q);
   check_last_dim_contiguous(op, "k", k);
   TORCH_CHECK_TYPE(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op,
-                   ": positions must be int32 or int64, got ", positions.scalar_type());
+                   ": positions must be int32 or int64, got ", dtype_name(positions.scalar_type()));
   TORCH_CHECK_VALUE(positions.device() == q.device(), op, ": positions is on ", positions.device(), " but q is on ",
                     q.device());
   TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == q.size(0), op, ": positions must have shape [",
-                    q.size(0), "] (one per token), got ", positions.sizes());
+                    q.size(0), "] (one per token), got ", as_tuple(positions.sizes()));
   TORCH_CHECK_TYPE(freqs.scalar_type() == at::kFloat, op,
-                   ": the frequency table (inv_freq or cos_sin_cache) must be float32, got ", freqs.scalar_type());
+                   ": the frequency table (inv_freq or cos_sin_cache) must be float32, got ",
+                   dtype_name(freqs.scalar_type()));
   TORCH_CHECK_VALUE(freqs.device() == q.device(), op, ": the frequency table is on ", freqs.device(), " but q is on ",
                     q.device());
   TORCH_CHECK_VALUE((freqs.dim() == 1 || freqs.dim() == 2) && freqs.is_contiguous(), op,
                     ": the frequency table must be a contiguous inv_freq [rotary_dim / 2] or cos_sin_cache "
                     "[max_position, rotary_dim], got shape ",
-                    freqs.sizes());
+                    as_tuple(freqs.sizes()));
   const int64_t rotary_dim = freqs.dim() == 1 ? 2 * freqs.size(0) : freqs.size(1);
   TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2), op,
                     ": rotary_dim must be even, positive and at most head_dim ", q.size(2), ", got ", rotary_dim);
@@ -436,16 +483,17 @@ void check_state(const char* op, const char* v_name, const Tensor& v, const char
                  int64_t rank) {
   TORCH_CHECK_VALUE(v.dim() == rank, op, ": ", v_name, " must be ", rank, "-D ",
                     rank == 4 ? "[tokens, num_states, heads, head_dim]" : "[tokens, heads, head_dim]", ", got shape ",
-                    v.sizes());
+                    as_tuple(v.sizes()));
   check_float(op, v_name, v);
   check_last_dim_contiguous(op, v_name, v);
   TORCH_CHECK_VALUE(v.size(-1) > 0, op, ": head_dim (last dimension of ", v_name, ") must be positive");
   TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": ", s_name, " (the log-sum-exp) must be float32, got ",
-                   s.scalar_type());
+                   dtype_name(s.scalar_type()));
   TORCH_CHECK_VALUE(s.device() == v.device(), op, ": ", s_name, " is on ", s.device(), " but ", v_name, " is on ",
                     v.device());
   TORCH_CHECK_VALUE(s.sizes() == v.sizes().slice(0, rank - 1), op, ": ", s_name, " must have shape ",
-                    v.sizes().slice(0, rank - 1), " (", v_name, "'s without head_dim), got ", s.sizes());
+                    as_tuple(v.sizes().slice(0, rank - 1)), " (", v_name, "'s without head_dim), got ",
+                    as_tuple(s.sizes()));
 }
 
 // The stacked states v [tokens, n, heads, head_dim] (or one state [tokens, heads, head_dim] as n = 1),
@@ -501,7 +549,7 @@ void merge_state_in_place(Tensor& v, Tensor& s, const Tensor& v_other, const Ten
     TORCH_CHECK_VALUE(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == v.size(0) &&
                           mask->device() == v.device(),
                       op, ": mask must be a bool tensor of shape (", v.size(0), ",) on ", v.device(), ", got ",
-                      mask->scalar_type(), " of shape ", mask->sizes(), " on ", mask->device());
+                      dtype_name(mask->scalar_type()), " of shape ", as_tuple(mask->sizes()), " on ", mask->device());
   }
   at::assert_no_internal_overlap(v);
   at::assert_no_internal_overlap(s);
@@ -530,9 +578,10 @@ bool rows_aligned16(const Tensor& t) {
 void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, at::TensorList kv_indices,
                      Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale) {
   const char* op = "batch_attention";
-  TORCH_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ", q_in.sizes());
+  TORCH_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
+                    as_tuple(q_in.sizes()));
   TORCH_CHECK_TYPE(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16, op,
-                   ": q must be float16 or bfloat16, got ", q_in.scalar_type());
+                   ": q must be float16 or bfloat16, got ", dtype_name(q_in.scalar_type()));
   check_last_dim_contiguous(op, "q", q_in);
   const int64_t batch = q_in.size(0), qo_heads = q_in.size(1), head_dim = q_in.size(2);
   TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op,
@@ -541,7 +590,7 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   check_same(op, "v_cache", v_cache, "k_cache", k_cache);
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(3) == head_dim, op,
                     ": k_cache must be 4-D [pages, page_size, num_kv_heads, head_dim] with q's head_dim ", head_dim,
-                    ", got shape ", k_cache.sizes());
+                    ", got shape ", as_tuple(k_cache.sizes()));
   check_last_dim_contiguous(op, "k_cache", k_cache);
   check_last_dim_contiguous(op, "v_cache", v_cache);
   const int64_t kv_heads = k_cache.size(2), page_size = k_cache.size(1);
@@ -552,12 +601,12 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache), op,
                     ": paged_kv_cache must start on a 16-byte boundary and have strides that are multiples of 8 "
                     "elements (the kernels read it 16 bytes at a time), got strides ",
-                    k_cache.strides());
+                    as_tuple(k_cache.strides()));
   TORCH_CHECK_VALUE(kv_indices.size() >= 1 && kv_indices.size() <= size_t(fk::kMaxLevels), op,
                     ": kv_indices must be a list of 1 to ", fk::kMaxLevels, " tensors (one per level)");
   for (size_t i = 0; i < kv_indices.size(); ++i) {
     TORCH_CHECK_TYPE(kv_indices[i].scalar_type() == at::kInt, op, ": kv_indices[", i, "] must be int32, got ",
-                     kv_indices[i].scalar_type());
+                     dtype_name(kv_indices[i].scalar_type()));
     TORCH_CHECK_VALUE(kv_indices[i].dim() == 1 && kv_indices[i].device() == q_in.device() &&
                           (kv_indices[i].numel() <= 1 || kv_indices[i].stride(0) == 1),
                       op, ": kv_indices[", i, "] must be a contiguous 1-D tensor on ", q_in.device());
@@ -569,12 +618,13 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                     ": workspace must start on a 16-byte boundary");
   TORCH_CHECK_VALUE(out.scalar_type() == q_in.scalar_type() && out.sizes() == q_in.sizes() && out.is_contiguous() &&
                         out.device() == q_in.device(),
-                    op, ": out must be a contiguous ", q_in.scalar_type(), " tensor of shape ", q_in.sizes());
+                    op, ": out must be a contiguous ", dtype_name(q_in.scalar_type()), " tensor of shape ",
+                    as_tuple(q_in.sizes()));
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 16 == 0, op,
                     ": out must start on a 16-byte boundary");
   TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == q_in.sizes().slice(0, 2) && lse.is_contiguous() &&
                         lse.device() == q_in.device(),
-                    op, ": lse must be a contiguous float32 tensor of shape ", q_in.sizes().slice(0, 2));
+                    op, ": lse must be a contiguous float32 tensor of shape ", as_tuple(q_in.sizes().slice(0, 2)));
   TORCH_CHECK_VALUE(grid.size() == 4, op, ": grid must be four non-negative block counts, got ", grid);
   for (const int64_t g : grid)
     TORCH_CHECK_VALUE(g >= 0 && g < (int64_t(1) << 31), op, ": grid must be four non-negative block counts, got ", grid);
@@ -607,9 +657,7 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   check_launch(fk::launch_batch_attention(p, current_stream(q)), op);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(flashkern, CUDA, m) {
+void register_impls(torch::Library& m) {
   m.impl("rmsnorm", &rmsnorm);
   m.impl("rmsnorm_out", &rmsnorm_out);
   m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
@@ -626,3 +674,29 @@ TORCH_LIBRARY_IMPL(flashkern, CUDA, m) {
   m.impl("merge_states", &merge_states);
   m.impl("batch_attention", &batch_attention);
 }
+
+}  // namespace
+
+#if defined(FLASHKERN_EMULATED_OPS)
+#include <Python.h>
+
+#include "schemas.h"
+
+#define FK_CAT(a, b) FK_CAT_(a, b)
+#define FK_CAT_(a, b) a##b
+#define FK_STRINGIFY(a) FK_STRINGIFY_(a)
+#define FK_STRINGIFY_(a) #a
+#define FK_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FK_TORCH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+FK_TORCH_LIBRARY(FLASHKERN_EMULATED_OPS, m) { flashkern::define_schemas(m); }
+FK_TORCH_LIBRARY_IMPL(FLASHKERN_EMULATED_OPS, CPU, m) { register_impls(m); }
+
+// `import flashkern._emulate` (or _emulate_wave64) loads the ops above.
+PyMODINIT_FUNC FK_CAT(PyInit_, FLASHKERN_EMULATED_MODULE)(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, FK_STRINGIFY(FLASHKERN_EMULATED_MODULE),
+                               "flashkern's kernels on the CPU emulation", -1, nullptr};
+  return PyModule_Create(&module);
+}
+#else
+TORCH_LIBRARY_IMPL(flashkern, CUDA, m) { register_impls(m); }
+#endif

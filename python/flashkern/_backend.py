@@ -3,10 +3,16 @@
   CPU tensors                       the reference, through torch.ops (registered under the CPU key)
   GPU tensors, kernels built        the CUDA or HIP kernels, through torch.ops (CUDA key)
   GPU tensors, no kernels built     the reference, called directly (quietly)
-FLASHKERN_BACKEND (read at import; set_backend() at run time) forces a choice for GPU tensors:
-"reference", or the name of a built backend ("cuda", "hip"); naming one that was not built raises.
+FLASHKERN_BACKEND (read at import; set_backend() at run time) forces a choice:
+  "reference"        the reference on GPU tensors too
+  "cuda", "hip"      the built GPU backend (naming one that was not built raises)
+  "emulate"          CPU tensors run the CUDA kernels' own code on the CPU emulation
+                     (csrc/include/flashkern/emulate.h, module flashkern._emulate): slow, for tests
+  "emulate-wave64"   the same with the HIP launchers on a wave64 (CDNA) device
+The emulate backends change what CPU tensors run; GPU tensors run as under "auto".
 """
 
+import importlib
 import os
 
 import torch
@@ -15,7 +21,8 @@ from . import _C
 
 BUILT = _C.BACKEND  # "cuda", "hip" or "cpu"
 ARCHS = [a for a in _C.ARCHS.split(";") if a]
-CHOICES = ("auto", "reference", "cuda", "hip")
+EMULATED = {"emulate": "flashkern_emulate", "emulate-wave64": "flashkern_emulate_wave64"}  # -> torch.ops namespace
+CHOICES = ("auto", "reference", "cuda", "hip", *EMULATED)
 
 
 def _runtime_gpu_backend():
@@ -40,6 +47,13 @@ def _parse(name):
             f"FLASHKERN_BACKEND={name}, but this flashkern build has {BUILT} kernels "
             f"(torch: cuda={torch.version.cuda}, hip={torch.version.hip}); rebuild, or unset FLASHKERN_BACKEND"
         )
+    if name in EMULATED:
+        module = EMULATED[name].replace("flashkern_", "flashkern._")
+        try:
+            importlib.import_module(module)  # registers torch.ops.flashkern_emulate[_wave64]
+        except ImportError as e:
+            raise RuntimeError(f"FLASHKERN_BACKEND={name}, but this flashkern build has no {module} "
+                               f"(built with FLASHKERN_BUILD_EMULATE=0?): {e}") from None
     return name
 
 
@@ -47,7 +61,8 @@ _forced = _parse(os.environ.get("FLASHKERN_BACKEND"))
 
 
 def set_backend(name: str) -> str:
-    """Force a backend for GPU tensors ("auto", "reference", "cuda", "hip"); returns the previous one."""
+    """Force a backend (see the top of this module): "auto", "reference", "cuda", "hip", "emulate" or
+    "emulate-wave64"; returns the previous one."""
     global _forced
     previous, _forced = _forced, _parse(name)
     return previous
@@ -67,7 +82,26 @@ def use_reference(device: torch.device) -> bool:
 
 
 def backend_for(device: torch.device) -> str:
-    """The implementation that runs for tensors on `device`: "reference", "cuda" or "hip"."""
-    if device.type == "cpu" or use_reference(device):
+    """The implementation that runs for tensors on `device`: "reference", "cuda", "hip", "emulate" or
+    "emulate-wave64"."""
+    if device.type == "cpu":
+        return _forced if _forced in EMULATED else "reference"
+    if use_reference(device):
         return "reference"
     return BUILT
+
+
+def register_cpu(op):
+    """Registers the decorated function as the CPU implementation of torch.ops.flashkern.<op>: the
+    reference, or under an emulate backend the same op of the emulated kernels."""
+
+    def register(reference):
+        def cpu(*args):
+            if _forced in EMULATED:
+                return getattr(getattr(torch.ops, EMULATED[_forced]), op)(*args)
+            return reference(*args)
+
+        torch.library.impl(f"flashkern::{op}", "cpu")(cpu)
+        return reference
+
+    return register

@@ -226,7 +226,7 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale):
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 
-@torch.library.impl("flashkern::batch_attention", "cpu")
+@_backend.register_cpu("batch_attention")
 def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale)
     o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale)

@@ -78,33 +78,33 @@ def _check(input, activation, reference, backward=False):
     return op
 
 
-@torch.library.impl("flashkern::act_and_mul", "cpu")
+@_backend.register_cpu("act_and_mul")
 def _act_and_mul_cpu(input, activation):
     _check(input, activation, reference=True)
     return ref.act_and_mul(input, activation).contiguous()
 
 
-@torch.library.impl("flashkern::act_and_mul_out", "cpu")
+@_backend.register_cpu("act_and_mul_out")
 def _act_and_mul_out_cpu(out, input, activation):
     check_act_and_mul_output(_check(input, activation, reference=True), "out", out, input)
     out.copy_(ref.act_and_mul(input, activation))
 
 
-@torch.library.impl("flashkern::act_and_mul_backward", "cpu")
+@_backend.register_cpu("act_and_mul_backward")
 def _act_and_mul_backward_cpu(grad_out, input, activation):
     op = _check(input, activation, reference=True, backward=True)
     check_act_and_mul_output(op, "grad_out", grad_out, input)
     return ref.act_and_mul_backward(grad_out, input, activation).contiguous()
 
 
-@torch.library.impl("flashkern::act_mul", "cpu")
+@_backend.register_cpu("act_mul")
 def _act_mul_cpu(gate, up, activation):
     check_activation("act_mul", activation)
     check_act_mul("act_mul", gate, up, reference=True)
     return ref.act_mul(gate, up, activation).contiguous()
 
 
-@torch.library.impl("flashkern::act_mul_backward", "cpu")
+@_backend.register_cpu("act_mul_backward")
 def _act_mul_backward_cpu(grad_out, gate, up, activation):
     check_activation("act_mul_backward", activation)
     check_act_mul("act_mul_backward", gate, up, reference=True)

@@ -68,13 +68,13 @@ _IN_PLACE_NAMES = ("v", "s", "v_other", "s_other")
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 
-@torch.library.impl("flashkern::merge_state", "cpu")
+@_backend.register_cpu("merge_state")
 def _merge_state_cpu(v_a, s_a, v_b, s_b):
     _check_pair("merge_state", v_a, s_a, v_b, s_b, reference=True)
     return tuple(t.contiguous() for t in ref.merge_state(v_a, s_a, v_b, s_b))
 
 
-@torch.library.impl("flashkern::merge_state_in_place", "cpu")
+@_backend.register_cpu("merge_state_in_place")
 def _merge_state_in_place_cpu(v, s, v_other, s_other, mask):
     _check_pair("merge_state_in_place", v, s, v_other, s_other, True, mask, _IN_PLACE_NAMES)
     merged_v, merged_s = ref.merge_state(v, s, v_other, s_other)
@@ -83,7 +83,7 @@ def _merge_state_in_place_cpu(v, s, v_other, s_other, mask):
     s.copy_(torch.where(keep[:, None], merged_s, s))
 
 
-@torch.library.impl("flashkern::merge_states", "cpu")
+@_backend.register_cpu("merge_states")
 def _merge_states_cpu(v, s):
     check_state("merge_states", "v", v, "s", s, reference=True, stacked=True)
     return tuple(t.contiguous() for t in ref.merge_states(v, s))

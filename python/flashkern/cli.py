@@ -22,12 +22,12 @@ def _print_info(data):
 
 
 def _print_check(rows):
-    header = f"{'op':32} {'device':7} {'backend':9} {'dtype':8} {'shape':14} {'max abs err':>11}  result"
+    header = f"{'op':32} {'device':7} {'backend':14} {'dtype':8} {'shape':14} {'max abs err':>11}  result"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['op']:32} {r['device']:7} {r['backend']:9} {r['dtype']:8} {str(r['shape']):14} "
+            f"{r['op']:32} {r['device']:7} {r['backend']:14} {r['dtype']:8} {str(r['shape']):14} "
             f"{r['max_abs_err']:11.2e}  {'pass' if r['passed'] else 'FAIL'}"
         )
     failed = sum(not r["passed"] for r in rows)
@@ -38,9 +38,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="flashkern", description=__doc__)
     parser.add_argument("command", choices=["info", "check"])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--backend", help="force a backend first, as FLASHKERN_BACKEND does (e.g. emulate: "
+                        "the CUDA kernels' own code on CPU tensors)")
     args = parser.parse_args(argv)
 
     import flashkern
+
+    if args.backend:
+        flashkern.set_backend(args.backend)
 
     if args.command == "info":
         data = flashkern.info()

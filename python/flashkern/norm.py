@@ -77,13 +77,13 @@ def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6) -> None:
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 
-@torch.library.impl("flashkern::rmsnorm", "cpu")
+@_backend.register_cpu("rmsnorm")
 def _rmsnorm_cpu(input, weight, eps, weight_offset):
     check_rmsnorm("rmsnorm", input, weight, eps, reference=True)
     return ref.rmsnorm(input, weight, eps, weight_offset).contiguous()
 
 
-@torch.library.impl("flashkern::rmsnorm_out", "cpu")
+@_backend.register_cpu("rmsnorm_out")
 def _rmsnorm_out_cpu(out, input, weight, eps, weight_offset):
     check_rmsnorm("rmsnorm", input, weight, eps, reference=True)
     check_same("rmsnorm", "out", out, "input", input)
@@ -91,7 +91,7 @@ def _rmsnorm_out_cpu(out, input, weight, eps, weight_offset):
     out.copy_(ref.rmsnorm(input, weight, eps, weight_offset))
 
 
-@torch.library.impl("flashkern::fused_add_rmsnorm", "cpu")
+@_backend.register_cpu("fused_add_rmsnorm")
 def _fused_add_rmsnorm_cpu(input, residual, weight, eps, weight_offset):
     check_rmsnorm("fused_add_rmsnorm", input, weight, eps, reference=True)
     check_same("fused_add_rmsnorm", "residual", residual, "input", input)
@@ -101,7 +101,7 @@ def _fused_add_rmsnorm_cpu(input, residual, weight, eps, weight_offset):
     input.copy_(y)
 
 
-@torch.library.impl("flashkern::rmsnorm_backward", "cpu")
+@_backend.register_cpu("rmsnorm_backward")
 def _rmsnorm_backward_cpu(grad_out, input, weight, eps, weight_offset):
     check_rmsnorm("rmsnorm_backward", input, weight, eps, reference=True)
     check_same("rmsnorm_backward", "grad_out", grad_out, "input", input)

@@ -172,14 +172,14 @@ def rope_with_table(q, k, positions, freqs, interleave=False):
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 
-@torch.library.impl("flashkern::rope", "cpu")
+@_backend.register_cpu("rope")
 def _rope_cpu(q, k, positions, freqs, interleave, inverse):
     check_rope("rope", q, k, positions, freqs, reference=True, check_positions=True)
     q_out, k_out = ref.rope(q, k, positions, freqs, interleave, inverse)
     return q_out.contiguous(), k_out.contiguous()
 
 
-@torch.library.impl("flashkern::rope_", "cpu")
+@_backend.register_cpu("rope_")
 def _rope_inplace_cpu(q, k, positions, freqs, interleave):
     check_rope("rope", q, k, positions, freqs, reference=True, check_positions=True)
     q_out, k_out = ref.rope(q, k, positions, freqs, interleave)

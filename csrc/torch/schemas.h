@@ -1,0 +1,45 @@
+// Every flashkern op's schema, in one place: registration.cpp defines them as torch.ops.flashkern,
+// and the emulated kernels (gpu_ops.cpp built with FLASHKERN_EMULATED_OPS) as their own namespace.
+#pragma once
+
+#include <torch/library.h>
+
+namespace flashkern {
+
+inline void define_schemas(torch::Library& m) {
+  // out = input * rsqrt(mean(input^2, -1) + eps) * (weight + weight_offset)
+  m.def("rmsnorm(Tensor input, Tensor weight, float eps, float weight_offset) -> Tensor");
+  m.def("rmsnorm_out(Tensor(a!) out, Tensor input, Tensor weight, float eps, float weight_offset) -> ()");
+  // residual += input; input = rmsnorm(residual)
+  m.def(
+      "fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, float weight_offset) -> ()");
+  m.def(
+      "rmsnorm_backward(Tensor grad_out, Tensor input, Tensor weight, float eps, float weight_offset) "
+      "-> (Tensor grad_input, Tensor grad_weight)");
+  // out = act(input[..., :d]) * input[..., d:], act in {silu, gelu, gelu_tanh}
+  m.def("act_and_mul(Tensor input, str activation) -> Tensor");
+  m.def("act_and_mul_out(Tensor(a!) out, Tensor input, str activation) -> ()");
+  m.def("act_and_mul_backward(Tensor grad_out, Tensor input, str activation) -> Tensor");
+  // out = act(gate) * up: act_and_mul with the halves as two tensors (no concatenation)
+  m.def("act_mul(Tensor gate, Tensor up, str activation) -> Tensor");
+  m.def("act_mul_backward(Tensor grad_out, Tensor gate, Tensor up, str activation) -> (Tensor grad_gate, Tensor grad_up)");
+  // rotary position embedding of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] at
+  // positions [tokens]; freqs: inv_freq [rotary_dim / 2] or cos_sin_cache [max_position, rotary_dim]
+  m.def(
+      "rope(Tensor q, Tensor k, Tensor positions, Tensor freqs, bool interleave, bool inverse) "
+      "-> (Tensor q_out, Tensor k_out)");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor freqs, bool interleave) -> ()");
+  // attention states (v [tokens, heads, head_dim], s = natural-log sum-exp [tokens, heads] float32)
+  m.def("merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b) -> (Tensor v, Tensor s)");
+  m.def("merge_state_in_place(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, Tensor? mask) -> ()");
+  m.def("merge_states(Tensor v, Tensor s) -> (Tensor v_merged, Tensor s_merged)");
+  // attention over a paged KV cache as planned in `workspace` (attention_work.h): q [batch, qo_heads,
+  // head_dim], k_cache and v_cache [pages, page_size, kv_heads, head_dim] (views of the cache), one
+  // kv_indices per level; writes out [batch, qo_heads, head_dim] and lse [batch, qo_heads] (natural
+  // log). grid: blocks for the decode, 16-row and 64-row kernels and (0 or 1) the merge.
+  m.def(
+      "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
+      "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale) -> ()");
+}
+
+}  // namespace flashkern
