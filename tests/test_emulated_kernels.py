@@ -34,21 +34,23 @@ SANITIZER_FLAGS = [f"-fsanitize={SANITIZER}", "-g", "-fno-omit-frame-pointer"] i
 _built = {}  # backend -> the library file, compiled once per session
 
 
-def build(tmp_path_factory, backend):
-    """The emulated kernel library from csrc/cuda/*.cu (warp 32) or csrc/hip/*.hip (wave64/wave32 launchers),
-    loaded from its own copy of the file: each instance keeps its own emulator state (the device)."""
+def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
+    """The emulated kernel library from csrc/cuda/*.cu (warp 32) or csrc/hip/*.hip (wave64/wave32 launchers)
+    under source_root, loaded from its own copy of the file: each instance keeps its own emulator state
+    (the device, the launches)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++")
-    if backend not in _built:
+    key = (backend, source_root)
+    if key not in _built:
         out = tmp_path_factory.mktemp(f"emu-{backend}")
         # hidden: the emulator's state is the library's own, however many are loaded
         flags = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-DFK_EMULATE",
-                 f"-I{SOURCE_ROOT / 'csrc' / 'include'}", *SANITIZER_FLAGS]
+                 f"-I{source_root / 'csrc' / 'include'}", *SANITIZER_FLAGS]
         if backend == "hip":
             flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
         pattern = "*.cu" if backend == "cuda" else "*.hip"
-        sources = sorted((SOURCE_ROOT / "csrc" / backend).glob(pattern)) + [SOURCE_ROOT / "tests" / "emu" / "emu_ops.cpp"]
+        sources = sorted((source_root / "csrc" / backend).glob(pattern)) + [source_root / "tests" / "emu" / "emu_ops.cpp"]
 
         def compile_one(src):
             obj = out / (src.stem + ".o")
@@ -57,10 +59,10 @@ def build(tmp_path_factory, backend):
 
         with ThreadPoolExecutor(2) as pool:
             objects = list(pool.map(compile_one, sources))
-        _built[backend] = out / "libfkemu.so"
-        subprocess.run([cxx, "-shared", *SANITIZER_FLAGS, *objects, "-o", str(_built[backend])], check=True)
+        _built[key] = out / "libfkemu.so"
+        subprocess.run([cxx, "-shared", *SANITIZER_FLAGS, *objects, "-o", str(_built[key])], check=True)
     so = tmp_path_factory.mktemp(f"emu-{backend}") / "libfkemu.so"
-    shutil.copyfile(_built[backend], so)
+    shutil.copyfile(_built[key], so)
     lib = ctypes.CDLL(str(so))
     P, L, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # tests/emu/emu_ops.cpp
@@ -70,12 +72,13 @@ def build(tmp_path_factory, backend):
         "emu_act_mul_backward": [P, P, P, P, P, L, L, L, I, I],
         "emu_rope": [P, P, P, P, P, I, P, P, L, L, I, I, I, I, I64, I, I, I, I],
         "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
-        "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, I, P, P, P, ctypes.POINTER(ctypes.c_int), I, I, I, I, I,
-                                F, I],
+        "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, ctypes.POINTER(ctypes.c_int32), I, P, P, P,
+                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I],
         "emu_launch_probe": [I, I, I, I],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
     lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
+    lib.emu_launches.argtypes, lib.emu_launches.restype = [], ctypes.c_char_p
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_char_p
@@ -361,13 +364,14 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None):
     _, _, _, s_at, v_at = flashkern_C().workspace_layout(ws.numel(), q.shape[0], q.shape[1], q.shape[2])
     indices = kv_indices if kv_indices is not None else info["kv_indices"]
     pointers = (ctypes.c_void_p * len(indices))(*[ptr(t) for t in indices])
+    entries = (ctypes.c_int32 * len(indices))(*[t.numel() for t in indices])
     grid = (ctypes.c_int * 4)(*(grid or info["grid"]))
     # the plan's words and the partial states the plan uses, each its own exact buffer
     states = info["slots"] * q.shape[1]
     plan = ws[: 4 * info["words"]]
     partial_s, partial_v = ws[s_at : s_at + 4 * states], ws[v_at : v_at + 4 * states * q.shape[2]]
     ok(lib.emu_batch_attention(ptr(out), ptr(lse), ptr(q), i64s(*q.stride()[:2]), ptr(k), ptr(v),
-                               i64s(*k.stride()[:3], *v.stride()[:3]), k.shape[0], pointers, len(indices),
+                               i64s(*k.stride()[:3], *v.stride()[:3]), k.shape[0], pointers, entries, len(indices),
                                ptr(plan), ptr(partial_s), ptr(partial_v), grid,
                                q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.shape[1],
                                ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype]))
@@ -434,17 +438,21 @@ def test_batch_attention_kernels_loop_over_items(attention_lib):
                         eo, e_lse, torch.bfloat16)
 
 
-@pytest.mark.parametrize("bad_page", ["past_the_end", "minus_one"])
+@pytest.mark.parametrize("bad_page", ["past_the_end", "minus_one", "past_the_page_table"])
 def test_batch_attention_kernels_page_outside_the_cache(attention_lib, bad_page):
     """A page table naming a page the cache does not have (a stale plan, or -1 padding in a graph's
-    page-table buffer): that request's output is NaN, the others are right."""
+    page-table buffer), or shorter than the plan's (a plan made for other page tables): that request's
+    output is NaN, the others are right, and nothing past the page table is read (ASan)."""
     for group in (4, 8, 32):
         wrapper, q, cache, (eo, e_lse) = decode_plan([40, 40, 40], 16, 1, group, 64, torch.float16, seed=5)
-        bad = wrapper._core._plan_info["kv_indices"][0].clone()
-        bad[3] = cache.shape[0] + 5 if bad_page == "past_the_end" else -1  # request 1's second page
+        bad = wrapper._core._plan_info["kv_indices"][0].clone()  # 3 pages a request
+        if bad_page == "past_the_page_table":
+            bad, failing = bad[:-1].clone(), 2  # request 2's last page is missing
+        else:
+            bad[3], failing = cache.shape[0] + 5 if bad_page == "past_the_end" else -1, 1  # request 1's second page
         out, lse = run_attention(attention_lib, wrapper, q, cache, kv_indices=[bad])
-        assert out[1].isnan().all() and lse[1].isnan().all()
-        keep = torch.tensor([0, 2])
+        assert out[failing].isnan().all() and lse[failing].isnan().all()
+        keep = torch.tensor([i for i in range(3) if i != failing])
         check_attention(out[keep], lse[keep], eo[keep], e_lse[keep], torch.float16)
 
 
@@ -480,6 +488,7 @@ def test_emulator_refuses_what_a_gpu_refuses(emu, launch, error):
     and a kernel that was allowed runs on every thread."""
     result = emu.emu_launch_probe(*launch)
     assert result == (error.encode() if error else None)
+    assert emu.emu_launch_probe(128, 1, 0, -1) is None  # and the error is not left for the next launch
 
 
 def test_batch_attention_kernels_nan_is_not_hidden(attention_lib):
@@ -517,3 +526,32 @@ def test_cascade_kernels(attention_lib, group):
     wrapper.plan(*levels, kv_heads * group, kv_heads, head_dim, 16, q_data_type=torch.bfloat16)
     eo, e_lse = ref.cascade_decode(q.double(), cache.double(), *levels)
     check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- every kernel and path, once
+
+
+@pytest.mark.tsan
+def test_every_kernel_and_path(attention_lib):
+    """One small case of each kernel and each of its paths, through each launcher build: what
+    tests/test_emulator_checks.py runs under ThreadSanitizer (a TSan thread for every GPU thread of
+    every block makes the whole module too slow there; ASan runs all of it)."""
+    lib = attention_lib
+    test_rmsnorm_kernel(lib, 37, 769, torch.bfloat16, weight_fp32=False, residual=True)  # scalar, fused
+    test_rmsnorm_kernel(lib, 4, 4096, torch.float16, weight_fp32=True, residual=False)  # 16-byte vectors
+    test_rmsnorm_kernel(lib, 2, 40000, torch.float32, weight_fp32=False, residual=False)  # streamed rows
+    # many rows a block (dw combine); not the streamed backward: its dw reduction is a 1024-thread block
+    # per 32 columns, hundreds of thousands of TSan threads
+    test_rmsnorm_backward_kernel(lib, 300, 128, torch.bfloat16, 1e-6)
+    test_act_mul_kernels(lib, 37, 7, torch.float16, "silu")  # scalar; small, as TSan pays per GPU thread
+    test_act_mul_kernels(lib, 5, 4096, torch.bfloat16, "gelu")
+    test_rope_kernel(lib, 128, 96, True, torch.bfloat16, "cache")
+    test_rope_kernel(lib, 64, 64, False, torch.float32, "inv_freq")
+    test_rope_kernel_in_place_on_fused_qkv(lib, False)
+    test_merge_states_kernel(lib, 7, 2, 256, torch.float16, True)
+    test_merge_states_kernel_in_place_with_mask(lib)
+    for group, head_dim, page_size in ((2, 128, 1), (8, 64, 16), (24, 128, 16)):  # decode, 16-row, 64-row tiles
+        test_batch_attention_kernels(lib, group, head_dim, page_size, torch.bfloat16)
+    test_batch_attention_kernels_loop_over_items(lib)
+    test_batch_attention_kernels_page_outside_the_cache(lib, "minus_one")
+    test_cascade_kernels(lib, 5)

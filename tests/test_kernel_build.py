@@ -7,14 +7,17 @@ Also: a CPU-only build of the extension (what a machine without nvcc or ROCm get
 runs every op.
 """
 
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
@@ -165,6 +168,88 @@ def test_cuda_attention_ptx(cuda_build, arch):
                 assert re.search(r"st\.global(\.wb)?\.v4", body), name
 
 
+# ---------------------------------------------------------------- launch bounds
+
+
+def ptx_launch_bounds(build, arch="90"):
+    """{mangled kernel: the most threads a block of it may have} from the PTX: .maxntid is what
+    __launch_bounds__ became; a kernel without one may have 1024."""
+    bounds = {}
+    for source in SOURCES:
+        entries, _ = ptx_of(build, source, arch)
+        for mangled, body in entries.items():
+            m = re.search(r"\.maxntid (\d+), (\d+), (\d+)", body.split("{", 1)[0])
+            bounds[mangled] = math.prod(map(int, m.groups())) if m else 1024
+    return bounds
+
+
+def emulated_launches(lib):
+    """{mangled kernel: its largest block} over the launches the emulated library made (emu_launches:
+    offsets in the library, which nm names)."""
+    nm = subprocess.run(["nm", "--defined-only", lib._name], capture_output=True, text=True, check=True).stdout
+    names = {int(f[0], 16): f[2] for f in (line.split() for line in nm.splitlines()) if len(f) == 3}
+    launches = {}
+    for line in lib.emu_launches().decode().splitlines():
+        offset, threads = map(int, line.split())
+        launches[names.get(offset, f"<unnamed at {offset:#x}>")] = threads
+    launches.pop("probe_kernel", None)  # tests/emu's own
+    return launches
+
+
+def launches_and_bounds(lib, bounds):
+    """{kernel: (its largest block, its bound)} over what lib launched."""
+    launches = emulated_launches(lib)
+    assert launches, "no kernel was launched"
+    unknown = sorted(set(launches) - set(bounds))
+    assert not unknown, f"launched kernels missing from the device code: {list(demangle(unknown).values())}"
+    names = demangle(sorted(launches))
+    return {names[k]: (t, bounds[k]) for k, t in launches.items()}
+
+
+def over_bounds(launched):
+    return {name: (threads, bound) for name, (threads, bound) in launched.items() if threads > bound}
+
+
+def every_kernel_and_path(lib):
+    import test_emulated_kernels as emulated
+
+    emulated.test_every_kernel_and_path(lib)
+    emulated.test_rmsnorm_backward_kernel(lib, 2, 20000, torch.float32, 1e-6)  # the streamed backward
+
+
+def test_every_launch_fits_its_kernels_launch_bounds(cuda_build, tmp_path_factory):
+    """A GPU refuses to launch a kernel with more threads a block than its __launch_bounds__ (it is
+    compiled for no more). A host compiler cannot see the attribute, so the emulator records each
+    kernel's largest block over a run of every kernel and path (the CUDA launchers' own sizing), and
+    that is held against the bound nvcc wrote into the sm_90 PTX."""
+    import test_emulated_kernels as emulated
+
+    bounds = ptx_launch_bounds(cuda_build[0])
+    lib = emulated.build(tmp_path_factory, "cuda")
+    every_kernel_and_path(lib)
+    launched = launches_and_bounds(lib, bounds)
+    assert {f for f in FAMILIES if any(f"fk::{f}<" in name for name in launched)} == set(FAMILIES)
+    assert over_bounds(launched) == {}
+
+
+def test_launch_bounds_check_bites(cuda_build, tmp_path_factory):
+    """The mutant: the merge of partial states launched with twice its block. Every value stays right
+    (its loop strides by the rows of the bound), so only the bounds check can catch it."""
+    import test_emulated_kernels as emulated
+
+    source = tmp_path_factory.mktemp("mutant-launch-bounds")
+    shutil.copytree(ROOT / "csrc", source / "csrc")
+    shutil.copytree(ROOT / "tests" / "emu", source / "tests" / "emu")
+    launcher = source / "csrc" / "include" / "flashkern" / "kernels" / "batch_attention.cuh"
+    text = launcher.read_text()
+    assert text.count("dim3(kMergeBlock), stream)(p);") == 1
+    launcher.write_text(text.replace("dim3(kMergeBlock), stream)(p);", "dim3(2 * kMergeBlock), stream)(p);"))
+    lib = emulated.build(tmp_path_factory, "cuda", source_root=source)
+    emulated.test_batch_attention_kernels(lib, 24, 128, 16, torch.bfloat16)
+    over = over_bounds(launches_and_bounds(lib, ptx_launch_bounds(cuda_build[0])))
+    assert over and all("merge_partials_kernel" in name and t == 512 for name, (t, _) in over.items()), over
+
+
 def _is_wide(name):
     """Template arguments of an instantiation: the vector width is the last integer (after any warp width)."""
     args = name[name.index("<") + 1 : name.index(">(")].split(", ")
@@ -226,21 +311,36 @@ def test_hip_kernels_carry_code_only_for_their_own_wavefront(hip_build):
         assert len(of_width) % 2 == 0 and sum(v == 0 for v in of_width) == len(of_width) // 2, (width, of_width)
 
 
-def test_hip_multi_query_kernel_uses_mfma_on_cdna_only(tmp_path):
-    """The device assembly: MFMA (f16 and bf16) in the wave64 multi-query kernels for gfx90a; none for
-    gfx1030, whose kernels are plain arithmetic."""
+HIP_ARCHS = ["gfx90a", "gfx1030"]
+
+
+@pytest.fixture(scope="module")
+def hip_asm(tmp_path_factory):
+    """{(source, arch): device assembly} of every csrc/hip/*.hip for gfx90a and gfx1030."""
     if not HIPCC:
         pytest.skip("hipcc not installed")
-    asm = {}
-    for arch in ("gfx90a", "gfx1030"):
-        out = tmp_path / f"{arch}.s"
+    out = tmp_path_factory.mktemp("hip-asm")
+
+    def compile_one(job):
+        source, arch = job
+        asm = out / f"{source.stem}-{arch}.s"
         done = subprocess.run(
             [HIPCC, "-std=c++17", "-O3", "-S", "--cuda-device-only", f"--offload-arch={arch}",
-             f"-I{ROOT / 'csrc' / 'include'}", str(ROOT / "csrc" / "hip" / "batch_attention.hip"), "-o", str(out)],
+             f"-I{ROOT / 'csrc' / 'include'}", str(source), "-o", str(asm)],
             env={**os.environ, "HIP_PLATFORM": "amd"}, capture_output=True, text=True,
         )
         assert done.returncode == 0, done.stderr[-4000:]
-        asm[arch] = out.read_text()
+        return (source.stem, arch), asm.read_text()
+
+    jobs = [(source, arch) for source in sorted((ROOT / "csrc" / "hip").glob("*.hip")) for arch in HIP_ARCHS]
+    with ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(compile_one, jobs))
+
+
+def test_hip_multi_query_kernel_uses_mfma_on_cdna_only(hip_asm):
+    """The device assembly: MFMA (f16 and bf16) in the wave64 multi-query kernels for gfx90a; none for
+    gfx1030, whose kernels are plain arithmetic."""
+    asm = {arch: hip_asm["batch_attention", arch] for arch in HIP_ARCHS}
     for mnemonic in ("v_mfma_f32_16x16x16f16", "v_mfma_f32_16x16x16bf16_1k"):
         assert mnemonic in asm["gfx90a"], mnemonic
     assert "v_mfma" not in asm["gfx1030"]
@@ -248,12 +348,40 @@ def test_hip_multi_query_kernel_uses_mfma_on_cdna_only(tmp_path):
         assert "multi_query_attention_kernel" in asm[arch] and "decode_attention_kernel" in asm[arch]
 
 
+def hip_launch_bounds(hip_asm, arch):
+    """{mangled kernel: .max_flat_workgroup_size} from the code object metadata (amdhsa.kernels), what
+    __launch_bounds__ became on AMD."""
+    bounds = {}
+    for (_, a), asm in hip_asm.items():
+        if a != arch:
+            continue
+        metadata = asm.split("amdhsa.kernels:", 1)[1]  # a kernel's keys in order: the size, then its name
+        for size, name in re.findall(r"\.max_flat_workgroup_size:\s+(\d+)\s+\.name:\s+(\S+)", metadata):
+            bounds[name] = int(size)
+    return bounds
+
+
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+def test_every_hip_launch_fits_its_kernels_launch_bounds(hip_asm, tmp_path_factory, arch):
+    """The same for the HIP launchers on an emulated gfx90a (wave64) and gfx1030 (wave32), against the
+    AMD code objects' maximum work-group sizes."""
+    import test_emulated_kernels as emulated
+
+    lib = emulated.build(tmp_path_factory, "hip")
+    assert lib.emu_set_device(arch.encode())
+    every_kernel_and_path(lib)
+    launched = launches_and_bounds(lib, hip_launch_bounds(hip_asm, arch))
+    assert {f for f in FAMILIES if any(f"fk::{f}<" in name for name in launched)} == set(FAMILIES)
+    assert over_bounds(launched) == {}
+
+
 # ---------------------------------------------------------------- CPU-only extension
 
 
 def test_cpu_only_build_registers_and_runs_every_op(tmp_path):
-    """FLASHKERN_BUILD_BACKEND=cpu: the extension a machine without a GPU toolchain builds."""
-    env = {**os.environ, "FLASHKERN_BUILD_BACKEND": "cpu", "MAX_JOBS": "2"}
+    """FLASHKERN_BUILD_BACKEND=cpu: the extension a machine without a GPU toolchain builds (here without
+    the emulate backends, which the main build has: the same build steps, minutes more)."""
+    env = {**os.environ, "FLASHKERN_BUILD_BACKEND": "cpu", "FLASHKERN_BUILD_EMULATE": "0", "MAX_JOBS": "2"}
     lib = tmp_path / "lib"
     build = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--build-lib", str(lib), "--build-temp", str(tmp_path / "tmp")],

@@ -610,6 +610,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
     TORCH_CHECK_VALUE(kv_indices[i].dim() == 1 && kv_indices[i].device() == q_in.device() &&
                           (kv_indices[i].numel() <= 1 || kv_indices[i].stride(0) == 1),
                       op, ": kv_indices[", i, "] must be a contiguous 1-D tensor on ", q_in.device());
+    TORCH_CHECK_VALUE(kv_indices[i].numel() < (int64_t(1) << 31), op, ": kv_indices[", i,
+                      "] must have fewer than 2^31 entries, got ", kv_indices[i].numel());
   }
   TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
                         workspace.device() == q_in.device(),
@@ -644,7 +646,10 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   p.k_cache = k_cache.const_data_ptr(), p.v_cache = v_cache.const_data_ptr();
   for (int i = 0; i < 3; ++i) p.k_strides[i] = k_cache.stride(i), p.v_strides[i] = v_cache.stride(i);
   p.num_pages = k_cache.size(0);
-  for (size_t i = 0; i < kv_indices.size(); ++i) p.kv_indices[i] = kv_indices[i].const_data_ptr<int32_t>();
+  for (size_t i = 0; i < kv_indices.size(); ++i) {
+    p.kv_indices[i] = kv_indices[i].const_data_ptr<int32_t>();
+    p.kv_indices_len[i] = int32_t(kv_indices[i].numel());
+  }
   p.plan = reinterpret_cast<const int32_t*>(base);
   p.partial_s = reinterpret_cast<float*>(base + layout.partial_s_offset);
   p.partial_v = reinterpret_cast<float*>(base + layout.partial_v_offset);

@@ -1,7 +1,10 @@
-// C entry points over the kernels' launchers (launch_* in csrc/cuda/*.cu or csrc/hip/*.hip) built with -DFK_EMULATE, for
-// tests/test_emulated_kernels.py: every pointer is host memory from torch CPU tensors.
+// C entry points over the kernels' launchers (launch_* in csrc/cuda/*.cu or csrc/hip/*.hip) built with
+// -DFK_EMULATE, for tests/test_emulated_kernels.py: every pointer is host memory from torch CPU tensors.
+#include <dlfcn.h>
+
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "flashkern/ops.h"
 
@@ -101,15 +104,15 @@ const char* emu_merge_states(void* v_out, float* s_out, const void* v, const flo
 // strides kv_strides (k: page, slot, head; then v's); plan, partial_s and partial_v: a planned CPU workspace.
 const char* emu_batch_attention(void* out, float* lse, const void* q, const int64_t* q_strides, const void* k_cache,
                                 const void* v_cache, const int64_t* kv_strides, int64_t num_pages,
-                                const int32_t* const* kv_indices, int levels, const int32_t* plan, float* partial_s,
-                                float* partial_v, const int* grid, int batch, int qo_heads, int kv_heads, int head_dim,
-                                int page_size, float sm_scale, int dtype) {
+                                const int32_t* const* kv_indices, const int32_t* kv_indices_len, int levels,
+                                const int32_t* plan, float* partial_s, float* partial_v, const int* grid, int batch,
+                                int qo_heads, int kv_heads, int head_dim, int page_size, float sm_scale, int dtype) {
   fk::BatchAttentionParams p{};
   p.out = out, p.lse = lse, p.q = q, p.k_cache = k_cache, p.v_cache = v_cache;
   p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1];
   for (int i = 0; i < 3; ++i) p.k_strides[i] = kv_strides[i], p.v_strides[i] = kv_strides[3 + i];
   p.num_pages = num_pages;
-  for (int i = 0; i < levels; ++i) p.kv_indices[i] = kv_indices[i];
+  for (int i = 0; i < levels; ++i) p.kv_indices[i] = kv_indices[i], p.kv_indices_len[i] = kv_indices_len[i];
   p.plan = plan, p.partial_s = partial_s, p.partial_v = partial_v;
   for (int i = 0; i < 4; ++i) p.grid[i] = grid[i];
   p.batch = batch, p.qo_heads = qo_heads, p.kv_heads = kv_heads, p.head_dim = head_dim, p.page_size = page_size;
@@ -134,13 +137,31 @@ extern "C" {
 // first (-1: none asked): nullptr, or the error a GPU would give.
 const char* emu_launch_probe(int threads, int grid_y, int shared_bytes, int opt_in) {
   if (opt_in >= 0) {
-    if (const fk::gpuError_t e = fk::gpuSetMaxDynamicShared(probe_kernel, opt_in)) return fk::gpuGetErrorString(e);
+    if (const fk::gpuError_t e = fk::gpuSetMaxDynamicShared(probe_kernel, opt_in)) {
+      (void)fk::gpuGetLastError();  // as launch_tiles does
+      return fk::gpuGetErrorString(e);
+    }
   }
   int threads_run = 0;
-  FK_LAUNCH_SMEM(probe_kernel, dim3(1, unsigned(grid_y)), dim3(unsigned(threads)), size_t(shared_bytes), nullptr)(&threads_run);
+  const dim3 grid{1, unsigned(grid_y)}, block{unsigned(threads)};
+  FK_LAUNCH_SMEM(probe_kernel, grid, block, size_t(shared_bytes), nullptr)(&threads_run);
   if (const fk::gpuError_t e = fk::gpuGetLastError()) return fk::gpuGetErrorString(e);
   if (threads_run != threads * grid_y) return "the probe did not run on every block";
   return nullptr;
+}
+
+// Every kernel launched so far, a line each: its offset in this library (nm names it) and the largest
+// block it was launched with, in threads.
+const char* emu_launches() {
+  static std::string text;
+  text.clear();
+  for (const auto& [kernel, threads] : fk::emu::largest_block) {
+    Dl_info info{};
+    if (dladdr(kernel, &info) == 0) return "dladdr found no library for a kernel";
+    const auto offset = reinterpret_cast<uintptr_t>(kernel) - reinterpret_cast<uintptr_t>(info.dli_fbase);
+    text += std::to_string(offset) + " " + std::to_string(threads) + "\n";
+  }
+  return text.c_str();
 }
 }  // extern "C"
 #pragma GCC visibility pop

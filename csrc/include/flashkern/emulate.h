@@ -18,9 +18,17 @@
 //                   fiber, switched to without synchronization, so the only happens-before edges it
 //                   sees are a GPU's: __syncthreads within a block, and a launch before and after
 //                   all its blocks. The warp-wide exchanges (shuffles, ldmatrix, the matrix
-//                   instructions) order nothing but their operands, as on a GPU. Any pair of
-//                   shared- or global-memory accesses, within a block or between blocks, that no
-//                   __syncthreads orders and that includes a write is reported.
+//                   instructions) order nothing but their operands, as on a GPU: their slots here
+//                   are registers there, untracked, so they neither report nor hide a race. Any
+//                   pair of shared- or global-memory accesses, within a block or between
+//                   consecutive blocks, that no __syncthreads orders and that includes a write is
+//                   reported. What TSan can miss: a race between blocks two or more apart (a
+//                   destroyed fiber's accesses look ordered before its successor's), and, as it
+//                   tracks 255 threads at once, a race between two threads that held the same TSan
+//                   slot in turn, possible only once a block and the one before it have more than
+//                   254 threads together.
+//   launch bounds   every kernel's largest block is recorded (largest_block) for a test to hold
+//                   against its __launch_bounds__, which a host compiler cannot see
 //   bounds (ASan)   built with -fsanitize=address, shared memory (dynamic and FK_STATIC_SHARED) is a
 //                   fresh allocation of exactly its bytes for every block, so any access past it is
 //                   reported, as is any past a global buffer the caller allocated exactly.
@@ -35,6 +43,7 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -184,6 +193,9 @@ inline const char* error_string(int e) {
 }
 inline int last_error = kSuccess;                 // cudaGetLastError's: read and reset
 inline std::map<const void*, int> shared_opt_in;  // kernel -> the dynamic shared memory it was allowed
+// kernel -> the largest block it was launched with. A host compiler cannot see __launch_bounds__;
+// tests/test_kernel_build.py holds these against the bounds nvcc wrote into the PTX (.maxntid).
+inline std::map<const void*, unsigned> largest_block;
 
 // false for a device this build does not emulate (a CUDA build emulates NVIDIA devices, HIP AMD).
 inline bool set_device(const char* name) {
@@ -198,7 +210,7 @@ inline bool set_device(const char* name) {
 
 template <typename Kernel>
 int set_max_dynamic_shared(Kernel kernel, int bytes) {
-  if (bytes < 0 || bytes > device.max_shared) return kInvalidValue;
+  if (bytes < 0 || bytes > device.max_shared) return last_error = kInvalidValue;  // also the last error, as CUDA's
   shared_opt_in[reinterpret_cast<const void*>(kernel)] = bytes;
   return kSuccess;
 }
@@ -465,7 +477,8 @@ inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_sha
                             linear_block / (grid_dim.x * grid_dim.y));
     this_block->barrier = Barrier{n, 0, {}, true};
     this_block->warps.assign(warps, Barrier{});
-    for (unsigned w = 0; w < warps; ++w) this_block->warps[w].expected = std::min<unsigned>(device.warp_size, n - w * device.warp_size);
+    for (unsigned w = 0; w < warps; ++w)
+      this_block->warps[w].expected = std::min<unsigned>(device.warp_size, n - w * device.warp_size);
     this_block->dynamic_shared = shared_allocation(dynamic_shared_bytes);
     this_block->serial = serial;
     this_block->rng = seed * 0x9e3779b97f4a7c15ull ^ (uint64_t(linear_block) << 32 | n);
@@ -522,10 +535,13 @@ struct Launcher {
   size_t shared_bytes;
   template <typename... Args>
   void operator()(Args&&... args) const {
-    if (const int e = launch_error(reinterpret_cast<const void*>(kernel), grid, block, shared_bytes)) {
+    const void* address = reinterpret_cast<const void*>(kernel);
+    if (const int e = launch_error(address, grid, block, shared_bytes)) {
       last_error = e;
       return;
     }
+    unsigned& largest = largest_block[address];
+    largest = std::max(largest, block.x * block.y * block.z);
     if (this_block != nullptr) fail("a kernel launched from inside a kernel");
     static uint64_t serial = 0;
     static void (*launched)(Params...);
@@ -545,7 +561,8 @@ struct Launcher {
     // Each block's threads are new TSan threads created by the host: they see what it did before
     // the launch, and only their own __syncthreads among themselves.
     const unsigned blocks = grid.x * grid.y * grid.z;
-    for (unsigned b = 0; b < blocks; ++b) run_block(b, ++serial, shared_bytes, [] { std::apply(launched, *arguments); });
+    const auto body = [] { std::apply(launched, *arguments); };
+    for (unsigned b = 0; b < blocks; ++b) run_block(b, ++serial, shared_bytes, body);
     tsan_acquire(&launch_end);
     Untracked untracked;
     destroy_fibers(previous_block_fibers);
@@ -639,8 +656,9 @@ inline float exchange(float v, unsigned src, const char* bad_lane) {
 }  // namespace fk::emu
 
 inline float __shfl_xor(float v, int lane_mask) {
-  if (unsigned(lane_mask) >= unsigned(fk::emu::device.warp_size)) fk::emu::fail("__shfl_xor names a lane outside the warp");
-  return fk::emu::exchange(v, fk::emu::linear_thread() ^ unsigned(lane_mask), "__shfl_xor names a lane outside the block");
+  using namespace fk::emu;
+  if (unsigned(lane_mask) >= unsigned(device.warp_size)) fail("__shfl_xor names a lane outside the warp");
+  return exchange(v, linear_thread() ^ unsigned(lane_mask), "__shfl_xor names a lane outside the block");
 }
 
 inline float __shfl(float v, int src_lane) {

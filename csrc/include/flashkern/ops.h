@@ -131,6 +131,8 @@ struct BatchAttentionParams {
   int64_t k_strides[3], v_strides[3];  // page, slot in page, head (elements)
   int64_t num_pages;             // a page index outside [0, num_pages) makes its query's output NaN
   const int32_t* kv_indices[kMaxLevels];  // each level's page indices
+  int32_t kv_indices_len[kMaxLevels];     // their entries (0: no such level); a plan naming an entry past
+                                          // them (a plan made for other page tables) makes its query NaN
   const int32_t* plan;           // the workspace's int32 words: PlanHeader, items, merge lists
   float* partial_s;              // [slot_capacity, qo_heads] (workspace)
   float* partial_v;              // [slot_capacity, qo_heads, head_dim] (workspace)

@@ -294,7 +294,7 @@ FK_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a)
-               : "memory");  // reads shared memory: stays after the stores before it
+               : "memory");  // reads shared memory: the compiler keeps this thread's stores before it
 #else
   trap();
 #endif
@@ -305,7 +305,7 @@ FK_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a)
-               : "memory");  // reads shared memory: stays after the stores before it
+               : "memory");  // reads shared memory: the compiler keeps this thread's stores before it
 #else
   trap();
 #endif

@@ -24,6 +24,12 @@ FK_DEVICE const int32_t* level_indices(const BatchAttentionParams& p, int level)
   for (int i = 1; i < kMaxLevels; ++i) indices = level == i ? p.kv_indices[i] : indices;
   return indices;
 }
+FK_DEVICE int32_t level_entries(const BatchAttentionParams& p, int level) {  // 0 for a level not passed
+  int32_t entries = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxLevels; ++i) entries = level == i ? p.kv_indices_len[i] : entries;
+  return entries;
+}
 
 FK_DEVICE AttentionWorkItem load_item(const BatchAttentionParams& p, AttentionKind kind, int i) {
   const int4* w = reinterpret_cast<const int4*>(p.plan + plan_header(p).items[int(kind)] + kItemWords * i);
@@ -61,6 +67,7 @@ struct KVPipeline {
   const T* v;
   int64_t k_page, k_slot, v_page, v_slot;  // strides
   const int32_t* pages;                     // the group's entries of kv_indices
+  uint32_t entries;                         // how many there are in the page table from `pages` on
   Divmod page_size;
   uint32_t num_pages;
   int kv_begin, kv_end;
@@ -78,6 +85,8 @@ struct KVPipeline {
     v = static_cast<const T*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kVec16Bit;
     k_page = p.k_strides[0], k_slot = p.k_strides[1], v_page = p.v_strides[0], v_slot = p.v_strides[1];
     pages = level_indices(p, item.level) + item.page_begin;
+    const int32_t left = level_entries(p, item.level) - item.page_begin;
+    entries = left > 0 ? uint32_t(left) : 0u;
     num_pages = uint32_t(p.num_pages < (int64_t(1) << 31) ? p.num_pages : int64_t(1) << 31);  // indices are int32
     kv_begin = item.kv_begin, kv_end = item.kv_end;
   }
@@ -103,19 +112,20 @@ struct KVPipeline {
     lookup(kv_begin + (tile + 1) * kRows);
   }
 
-  // Looks up the pages of the tile starting at token `start` (the next one to issue).
+  // Looks up the pages of the tile starting at token `start` (the next one to issue): an empty
+  // chunk copies nothing, an entry past the page table poisons its query as a bad page does.
   FK_DEVICE void lookup(int start) {
     next = start;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int pos = last_token(start + row0 + i * kRowsPerPass);
-      page[i] = pos >= kv_begin ? pages[page_size.div(uint32_t(pos))] : 0;  // an empty chunk copies nothing
+      const uint32_t entry = page_size.div(uint32_t(pos));
+      page[i] = pos < kv_begin ? 0 : entry < entries ? pages[entry] : -1;
     }
   }
 
   // The token a row at `pos` copies: itself, or the chunk's last one past the end.
-  FK_DEVICE int last_token(int pos) const { return pos < kv_end ? pos : kv_end - 1;
-  }
+  FK_DEVICE int last_token(int pos) const { return pos < kv_end ? pos : kv_end - 1; }
 
   // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each).
   FK_DEVICE void issue(T* k_tile, T* v_tile) {

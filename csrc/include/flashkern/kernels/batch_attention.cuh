@@ -82,7 +82,10 @@ const char* launch_tiles(int blocks, int kv_heads, int threads, int bytes, const
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bytes > 48 * 1024 && (bit == 0 || !(raised.load(std::memory_order_relaxed) & bit))) {
     const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);
-    if (e != gpuSuccess) return gpuGetErrorString(e);
+    if (e != gpuSuccess) {
+      (void)gpuGetLastError();  // the runtime keeps it as the last error too: not the next op's
+      return gpuGetErrorString(e);
+    }
     raised.fetch_or(bit, std::memory_order_relaxed);
   }
   FK_LAUNCH_SMEM(kKernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream)(p);
