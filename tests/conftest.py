@@ -27,6 +27,18 @@ DEVICES = ["cpu"] + (["cuda"] if GPU else []) + EMULATED
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def pytest_collection_finish(session):
+    """The emulator checks (test_emulator_checks.py: sanitizer runs and mutants, each a subprocess) start
+    in a background thread as soon as they are collected, so they use the second core meanwhile."""
+    if session.config.option.collectonly:
+        return
+    if any(item.path.name == "test_emulator_checks.py" for item in session.items):
+        import test_emulator_checks
+
+        if test_emulator_checks.CXX:
+            test_emulator_checks.start()
+
+
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", DEVICES, ids=[getattr(d, "backend", d) for d in DEVICES])

@@ -1,0 +1,168 @@
+"""The emulator's GPU checks (csrc/include/flashkern/emulate.h) over the kernels' own code, and proof
+that each one bites:
+  racecheck    tests/test_emulated_kernels.py with the kernels built under ThreadSanitizer: any
+               shared- or global-memory access pair that no __syncthreads orders is a failure
+  memcheck     the same under AddressSanitizer: every buffer the kernels get is an exact allocation
+               (tests/test_emulated_kernels.py: exact), shared memory too
+  mutants      a kernel with one GPU bug each, which the matching check must catch: a __syncthreads
+               dropped (TSan, and the seeded schedule without it), a read past a row (ASan), the
+               shared-memory opt-in skipped and 1025 threads launched (the launch limits)
+Each run is a pytest of tests/test_emulated_kernels.py in a subprocess (a sanitizer's runtime must be
+loaded first), with another schedule seed than the main run's. They run one after another in a
+background thread that starts as soon as this module is collected (conftest.py), so that they use
+the second core while the rest of the suite runs on the first; each test waits for its own run.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CXX = shutil.which("g++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no g++")
+
+
+def runtime(name):
+    """The sanitizer runtime to preload (libstdc++ with ASan: its __cxa_throw must be found at start)."""
+    libs = [subprocess.run([CXX, f"-print-file-name=lib{name}.so"], capture_output=True, text=True).stdout.strip()]
+    if name == "asan":
+        libs.append(subprocess.run([CXX, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip())
+    return " ".join(libs)
+
+
+SANITIZERS = {  # FK_EMU_SANITIZER -> environment of the run; the exit code tells a report from a failed test
+    "thread": lambda: {"LD_PRELOAD": runtime("tsan"), "TSAN_OPTIONS": "halt_on_error=1:exitcode=66"},
+    "address": lambda: {"LD_PRELOAD": runtime("asan"), "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:exitcode=67"},
+}
+EXIT_CODE = {"thread": 66, "address": 67}
+
+
+def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp=None, marker=False):
+    """Starts tests/test_emulated_kernels.py (-k selection, or -m when `marker`) in a subprocess; returns
+    the Popen (stdout: the log)."""
+    env = {**os.environ, "FK_EMU_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("LD_PRELOAD", None)
+    if sanitizer:
+        env.update(SANITIZERS[sanitizer](), FK_EMU_SANITIZER=sanitizer)
+    if source_root:
+        env["FK_EMU_SOURCE_ROOT"] = str(source_root)
+    # -s: a sanitizer's report goes to stderr as it halts the process, past pytest's capture
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--basetemp", str(tmp),
+               str(ROOT / "tests" / "test_emulated_kernels.py")]
+    if selection:
+        command += ["-m" if marker else "-k", selection]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(run, timeout=2400):
+    log, _ = run.communicate(timeout=timeout)
+    return run.returncode, log
+
+
+# ---------------------------------------------------------------- every kernel under each sanitizer
+
+
+def sanitized(sanitizer, tmp):
+    """The whole emulated-kernel module under ASan; under TSan the tests marked for it (every kernel and
+    path, small: TSan pays for a thread per GPU thread per block)."""
+    seed = {"address": 3, "thread": 2}[sanitizer]
+    return finish(emulated_tests(None if sanitizer == "address" else "tsan", sanitizer, seed, tmp=tmp,
+                                 marker=sanitizer == "thread"))
+
+
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_kernels_under_sanitizer(sanitizer):
+    code, log = start()[("sanitizer", sanitizer)].result()
+    assert code == 0, log[-6000:]
+    assert re.search(r"\d+ passed", log), log[-2000:]
+
+
+# ---------------------------------------------------------------- mutants
+
+# (file under csrc/, the line as it is, the line as mutated, the check, the tests to run, what must be said)
+MUTANTS = {
+    # the barrier between the decode kernel's sub-warps writing their parts and the merge reading them
+    "missing_syncthreads_race": (
+        "include/flashkern/kernels/decode_attention.cuh",
+        "    __syncthreads();\n    merge_parts_and_store", "    merge_parts_and_store",
+        "thread", "test_batch_attention_kernels and cuda-2-128-1", r"ThreadSanitizer: data race",
+    ),
+    "missing_syncthreads_schedule": (
+        "include/flashkern/kernels/decode_attention.cuh",
+        "    __syncthreads();\n    merge_parts_and_store", "    merge_parts_and_store",
+        None, "test_batch_attention_kernels and cuda-2-128-1", r"Mismatched elements|AssertionError",
+    ),
+    # a partial vector at the end of a row reads one element more
+    "read_past_a_row": (
+        "include/flashkern/kernels/rmsnorm.cuh",
+        "return rest <= 0 ? 0 : (rest < kVec ? int(rest) : kVec);",
+        "return rest <= 0 ? 0 : (rest < kVec ? int(rest) + 1 : kVec);",
+        "address", "test_rmsnorm_kernel_layouts and float16", r"AddressSanitizer: heap-buffer-overflow",
+    ),
+    "no_shared_memory_opt_in": (
+        "include/flashkern/kernels/batch_attention.cuh",
+        "const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);", "const gpuError_t e = gpuSuccess;",
+        None, "own_shared_memory", r"invalid argument",
+    ),
+    "1025_threads": (
+        "include/flashkern/kernels/batch_attention.cuh",
+        "dim3(kMergeBlock), stream)(p);", "dim3(1025), stream)(p);",
+        None, "test_batch_attention_kernels and cuda-24-128", r"invalid configuration argument",
+    ),
+}
+
+
+def mutant_run(mutant, tmp):
+    path, line, mutated, sanitizer, selection, _ = MUTANTS[mutant]
+    source = tmp / "src"
+    shutil.copytree(ROOT / "csrc", source / "csrc")
+    shutil.copytree(ROOT / "tests" / "emu", source / "tests" / "emu")
+    text = (source / "csrc" / path).read_text()
+    if text.count(line) != 1:
+        return None, f"the mutation site of {mutant} is not in {path} once"
+    (source / "csrc" / path).write_text(text.replace(line, mutated))
+    return finish(emulated_tests(selection, sanitizer, seed=4, source_root=source, tmp=tmp / "run"))
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_mutant_is_caught(mutant):
+    sanitizer, expected = MUTANTS[mutant][3], MUTANTS[mutant][5]
+    code, log = start()[("mutant", mutant)].result()
+    assert code is not None, log
+    assert code != 0 and re.search(r"\d+ (passed|failed)|Sanitizer", log), f"{mutant} was not caught:\n{log[-4000:]}"
+    if sanitizer:
+        assert code == EXIT_CODE[sanitizer], log[-4000:]
+    assert re.search(expected, log), f"{mutant}: no {expected!r} in\n{log[-4000:]}"
+
+
+# ---------------------------------------------------------------- the background runs
+
+_runs = {}
+
+
+def in_temporary_directory(job, name):
+    tmp = Path(tempfile.mkdtemp(prefix="flashkern-emulator-"))
+    try:
+        return job(name, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start():
+    """Starts every run of this module, once, one after another in a background thread:
+    {(kind, name): Future of (exit code, log)}. conftest.py calls it when this module is collected."""
+    if not _runs:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="emulator-checks")
+        jobs = [(("sanitizer", s), sanitized, s) for s in ("address", "thread")]
+        jobs += [(("mutant", m), mutant_run, m) for m in sorted(MUTANTS)]
+        for key, job, name in jobs:
+            _runs[key] = pool.submit(in_temporary_directory, job, name)
+        pool.shutdown(wait=False)
+    return _runs
