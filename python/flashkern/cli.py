@@ -17,8 +17,9 @@ def _print_info(data):
         )
         print(f"  {d['device']:8} {d['name']}{extra} -> {d['backend']}")
     print("ops:")
+    width = max(map(len, data["ops"]), default=0)
     for op, where in data["ops"].items():
-        print(f"  {op:24} " + ", ".join(f"{dev}: {b}" for dev, b in where.items()))
+        print(f"  {op:{width}}  " + ", ".join(f"{dev}: {b}" for dev, b in where.items()))
 
 
 def _print_check(rows):
