@@ -62,9 +62,9 @@ def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None):
 def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6) -> None:
     """In place: ``residual += input``, then ``input = rmsnorm(residual, weight, eps)``.
 
-    Rounding: the sum is computed in float32 and rounded to the dtype when it is stored in
-    ``residual``; the norm is computed from that stored (rounded) value, in float32, and rounded
-    once more when written to ``input``. Inference only (no autograd).
+    Rounding, as FlashInfer's: the sum is computed in float32; ``residual`` gets it rounded to the
+    dtype, and the norm is computed from the unrounded float32 sum and rounded once when written
+    to ``input``. Inference only (no autograd).
     """
     _fused_add_rmsnorm(input, residual, weight, eps, 0.0)
 

@@ -26,7 +26,8 @@ inline constexpr RowPlanLimits kRmsnormLimits{512, 8, 4, 256};
 inline constexpr RowPlanLimits kRmsnormBackwardLimits{512, 4, 2, 256};
 
 // out = input * rsqrt(mean(input^2) + eps) * (weight + weight_offset), rows of `cols` elements.
-// With `residual`: residual += input first (rounded to the dtype), and the norm is of that sum.
+// With `residual`: s = input + residual in fp32; residual = s rounded to the dtype, and the norm
+// is of the unrounded s (FlashInfer's arithmetic).
 struct RmsnormParams {
   void* out;              // [rows, cols] dtype
   const void* input;      // [rows, cols] dtype

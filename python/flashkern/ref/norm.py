@@ -15,14 +15,15 @@ def rmsnorm(input, weight, eps=1e-6, weight_offset=0.0):
 
 
 def fused_add_rmsnorm(input, residual, weight, eps=1e-6, weight_offset=0.0):
-    """Returns (normed, new_residual): new_residual = round(input + residual), normed = rmsnorm(new_residual).
+    """Returns (normed, new_residual): with s = input + residual in the compute dtype,
+    new_residual = round(s) and normed = round(rmsnorm(s)).
 
-    The sum is rounded to the dtype before it is normalized, as a model that stores its residual
-    stream in that dtype (and then normalizes what it stored) computes it.
+    The unrounded sum is normalized, as FlashInfer's fused_add_rmsnorm does; only the stored
+    residual is rounded to the dtype.
     """
     c = compute_dtype(input)
-    new_residual = (input.to(c) + residual.to(c)).to(input.dtype)
-    return rmsnorm(new_residual, weight, eps, weight_offset), new_residual
+    s = input.to(c) + residual.to(c)
+    return rmsnorm(s, weight, eps, weight_offset).to(input.dtype), s.to(input.dtype)
 
 
 def rmsnorm_backward(grad_out, input, weight, eps=1e-6, weight_offset=0.0):

@@ -1,11 +1,11 @@
 // RMSNorm, fused residual-add + RMSNorm, and the RMSNorm backward.
 //   forward:  y = x * r * (w + offset),  r = rsqrt(mean(x^2) + eps)         (offset 1: Gemma)
-//   fused:    residual = round(x + residual); x = rmsnorm(residual)         (in place)
+//   fused:    s = x + residual (fp32); residual = round(s); x = rmsnorm(s)  (in place; FlashInfer's)
 //   backward: dx = r * (dy * w' - x * r^2 * mean(dy * w' * x)),  dw = sum over rows of dy * x * r
 // Threads: a power-of-two group of threads per row (rows.h), each holding up to kMaxVecs 16-byte
 // vectors of the row in registers, so x is read once; rows too long for that are streamed twice.
-// fp32 math throughout. Bytes per element: forward 2 * sizeof(T) (fused: 4 * sizeof(T)),
-// backward 3 * sizeof(T); the weight is read once per row from L1/L2.
+// fp32 math throughout. Bytes per element: forward 2 * sizeof(T) (fused: 4 * sizeof(T); streamed
+// rows read x and residual twice), backward 3 * sizeof(T); the weight is read once per row from L1/L2.
 #pragma once
 
 #include "flashkern/dispatch.h"
@@ -25,6 +25,7 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
 FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
   constexpr int kMaxVecs = kRmsnormLimits.max_vecs_per_thread;
+  using S = std::conditional_t<kResidual, float, T>;  // what is normalized: fused, the unrounded fp32 sum
   FK_STATIC_SHARED(float, scratch, [RowGroup<kWarp>::kMaxWarps]);
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
@@ -39,23 +40,30 @@ FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
     T* res = kResidual ? static_cast<T*>(p.residual) + (active ? p.residual_rows.offset(row) : 0) : nullptr;
     T* y = static_cast<T*>(p.out) + (active ? p.out_rows.offset(row) : 0);
 
-    // x (or x + residual, rounded to T as it is stored) for vector v; returns its sum of squares.
-    auto load_input = [&](Vec<T, kVec>& xv, int64_t v) {
+    // x, or the fp32 sum x + residual (stored rounded to T when `store`), for vector v; returns its
+    // sum of squares.
+    auto load_input = [&](Vec<S, kVec>& xv, int64_t v, bool store) {
       const int n = vec_elems<kVec>(v, cols);
-      xv.load(x + v * kVec, n);
       if constexpr (kResidual) {
-        Vec<T, kVec> rv;
+        Vec<T, kVec> xt, rv;
+        xt.load(x + v * kVec, n);
         rv.load(res + v * kVec, n);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) xv.set(i, xv.f(i) + rv.f(i));
-        xv.store(res + v * kVec, n);
+        for (int i = 0; i < kVec; ++i) {
+          const float s = xt.f(i) + rv.f(i);
+          xv.set(i, s);
+          rv.set(i, s);
+        }
+        if (store) rv.store(res + v * kVec, n);
+      } else {
+        xv.load(x + v * kVec, n);
       }
       float ss = 0.f;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) ss += xv.f(i) * xv.f(i);
       return ss;
     };
-    auto store_output = [&](const Vec<T, kVec>& xv, int64_t v, float r) {
+    auto store_output = [&](const Vec<S, kVec>& xv, int64_t v, float r) {
       const int n = vec_elems<kVec>(v, cols);
       Vec<W, kVec> wv;
       wv.load(w + v * kVec, n);
@@ -67,27 +75,27 @@ FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
 
     float ss[1] = {0.f};
     if (plan.in_registers) {
-      Vec<T, kVec> xv[kMaxVecs];
+      Vec<S, kVec> xv[kMaxVecs];
 #pragma unroll
       for (int k = 0; k < kMaxVecs; ++k)
-        if (k < plan.vecs_per_thread) ss[0] += load_input(xv[k], group.lane + int64_t(k) * tpr);
+        if (k < plan.vecs_per_thread) ss[0] += load_input(xv[k], group.lane + int64_t(k) * tpr, true);
       group.sum(ss, scratch);
       const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
 #pragma unroll
       for (int k = 0; k < kMaxVecs; ++k)
         if (k < plan.vecs_per_thread) store_output(xv[k], group.lane + int64_t(k) * tpr, r);
     } else {
+      // Streamed: the residual is stored on the second pass, which adds x and residual again.
       const int64_t row_vecs = ceil_div(cols, kVec);
       for (int64_t v = group.lane; v < row_vecs; v += tpr) {
-        Vec<T, kVec> xv;
-        ss[0] += load_input(xv, v);
+        Vec<S, kVec> xv;
+        ss[0] += load_input(xv, v, false);
       }
       group.sum(ss, scratch);
       const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
-      const T* src = kResidual ? res : x;  // this thread wrote these residual elements itself
       for (int64_t v = group.lane; v < row_vecs; v += tpr) {
-        Vec<T, kVec> xv;
-        xv.load(src + v * kVec, vec_elems<kVec>(v, cols));
+        Vec<S, kVec> xv;
+        load_input(xv, v, true);
         store_output(xv, v, r);
       }
     }
