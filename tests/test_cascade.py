@@ -115,6 +115,20 @@ def test_plan_checks(device):
         MultiLevelCascadeAttentionWrapper(9, workspace(device, 1))
 
 
+def test_reset_workspace_buffer_needs_a_new_plan(device):
+    """FlashInfer's member, with a 1-byte workspace of another dtype (int8)."""
+    wrapper = MultiLevelCascadeAttentionWrapper(2, workspace(device, 4))
+    wrapper.plan(*tables(), 8, 2, 64, 16, q_data_type=torch.bfloat16)
+    cache = torch.randn(4, 2, 16, 2, 64, dtype=torch.bfloat16, device=device)
+    q = rand((3, 8, 64), torch.bfloat16, device)
+    expected = wrapper.run(q, cache)
+    wrapper.reset_workspace_buffer(torch.empty(4 << 20, dtype=torch.int8, device=device), None)
+    with pytest.raises(RuntimeError, match="call plan"):
+        wrapper.run(q, cache)
+    wrapper.plan(*tables(), 8, 2, 64, 16, q_data_type=torch.bfloat16)
+    assert torch.equal(wrapper.run(q, cache), expected)
+
+
 def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()
     wrapper = MultiLevelCascadeAttentionWrapper(2, workspace(device, 4))

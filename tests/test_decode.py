@@ -187,7 +187,7 @@ def test_run_checks_shapes_against_the_plan(device):
 
 
 def test_workspace_checks(device):
-    with pytest.raises(ValueError, match="workspace_buffer must be a contiguous 1-D uint8"):
+    with pytest.raises(ValueError, match="workspace_buffer must be a contiguous 1-D tensor of 1-byte elements"):
         BatchDecodeWithPagedKVCacheWrapper(torch.empty(100, dtype=torch.float32, device=device))
     wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(2048, dtype=torch.uint8, device=device))
     with pytest.raises(ValueError, match="workspace is too small"):
@@ -225,10 +225,48 @@ def test_single_decode_checks(device):
         single_decode_with_kv_cache(q, k.bfloat16(), k.bfloat16())
     with pytest.raises(ValueError, match="q must be 2-D"):
         single_decode_with_kv_cache(q[None], k, k)
-    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
+    with pytest.raises(ValueError, match="single_decode_with_kv_cache: head_dim must be 64, 128 or 256"):
         single_decode_with_kv_cache(q[:, :48], k[..., :48], k[..., :48])
     with pytest.raises(ValueError, match="kv_layout must be 'NHD' or 'HND'"):
         single_decode_with_kv_cache(q, k, k, kv_layout="NDH")
+
+
+# ---------------------------------------------------------------- FlashInfer's calling conventions
+
+
+def test_int8_workspace_and_run_return_lse(device):
+    """FlashInfer's examples allocate the workspace as int8; run_return_lse / forward_return_lse."""
+    wrapper, cache, tables, q = planned(device)
+    expected_out, expected_lse = wrapper.run(q, cache, return_lse=True)
+    other = BatchDecodeWithPagedKVCacheWrapper(torch.empty(4 << 20, dtype=torch.int8, device=device))
+    other.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16)
+    for run in (other.run_return_lse, other.forward_return_lse):
+        out, lse = run(q, cache)
+        assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+
+
+def test_reset_workspace_buffer_needs_a_new_plan(device):
+    wrapper, cache, tables, q = planned(device)
+    expected = wrapper.run(q, cache)
+    wrapper.reset_workspace_buffer(torch.empty(4 << 20, dtype=torch.int8, device=device),
+                                   torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    with pytest.raises(RuntimeError, match="call plan"):
+        wrapper.run(q, cache)
+    wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16)
+    assert torch.equal(wrapper.run(q, cache), expected)
+    wrapper.end_forward()  # a no-op, as in FlashInfer
+    assert wrapper.use_tensor_cores is False
+    assert BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1), use_tensor_cores=True).use_tensor_cores
+
+
+def test_data_type_fills_only_the_dtypes_left_unset(device):
+    wrapper, cache, tables, q = planned(device, torch.bfloat16)
+    expected = wrapper.run(q, cache)
+    wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=None, data_type=torch.bfloat16)  # fills q and kv
+    assert torch.equal(wrapper.run(q, cache), expected)
+    # an explicit q_data_type stays: kv_data_type alone becomes bfloat16, which q (float16) must equal
+    with pytest.raises(TypeError, match="kv_data_type must equal q_data_type"):
+        wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16, data_type=torch.bfloat16)
 
 
 # ---------------------------------------------------------------- PyTorch integration

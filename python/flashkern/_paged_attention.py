@@ -103,22 +103,30 @@ class PagedAttention:
     """What the wrappers share: the workspace, the plan in it, and run()."""
 
     def __init__(self, op, workspace_buffer, kv_layout, use_cuda_graph):
-        check_tensor(op, "workspace_buffer", workspace_buffer)
-        if workspace_buffer.dtype != torch.uint8 or workspace_buffer.dim() != 1 or not workspace_buffer.is_contiguous():
-            raise ValueError(
-                f"{op}: workspace_buffer must be a contiguous 1-D uint8 tensor, got {workspace_buffer.dtype} "
-                f"of shape {tuple(workspace_buffer.shape)}"
-            )
-        check_aligned(op, "workspace_buffer", workspace_buffer, 16)
+        self.reset_workspace(op, workspace_buffer)
         check_kv_layout(op, kv_layout)
-        self._workspace = workspace_buffer
-        self._device = workspace_buffer.device
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
         self._plan_info = None
         self._num_pages = None  # the cache size run() last saw: graph replays keep using that cache
         self._cta_budget = self.cta_budget(self._device)
         self._min_chunk = MIN_CHUNK
+
+    def reset_workspace(self, op, workspace_buffer):
+        """A new workspace: any contiguous 1-D tensor of 1-byte elements (uint8, int8, ...), as
+        FlashInfer takes, used as bytes. The plan lives in it, so plan() must run again."""
+        check_tensor(op, "workspace_buffer", workspace_buffer)
+        if workspace_buffer.element_size() != 1 or workspace_buffer.dim() != 1 or not workspace_buffer.is_contiguous():
+            raise ValueError(
+                f"{op}: workspace_buffer must be a contiguous 1-D tensor of 1-byte elements (uint8 or int8), got "
+                f"{workspace_buffer.dtype} of shape {tuple(workspace_buffer.shape)}"
+            )
+        check_aligned(op, "workspace_buffer", workspace_buffer, 16)
+        if getattr(self, "_device", workspace_buffer.device) != workspace_buffer.device:
+            raise ValueError(f"{op}: workspace_buffer must stay on {self._device}, got {workspace_buffer.device}")
+        self._workspace = workspace_buffer.view(torch.uint8)
+        self._device = workspace_buffer.device
+        self._plan_info = None
 
     @staticmethod
     def cta_budget(device):

@@ -58,6 +58,11 @@ class MultiLevelCascadeAttentionWrapper:
     def is_cuda_graph_enabled(self):
         return self._core.is_cuda_graph_enabled
 
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None):
+        """Use a new workspace (flashkern has one; ``int_workspace_buffer`` is accepted and unused).
+        The plan lives in the workspace: call plan() again before run()."""
+        self._core.reset_workspace("MultiLevelCascadeAttentionWrapper.reset_workspace_buffer", float_workspace_buffer)
+
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim, page_size, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,

@@ -39,8 +39,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ``use_cuda_graph=True`` with fixed ``paged_kv_indptr_buffer``, ``paged_kv_indices_buffer`` and
     ``paged_kv_last_page_len_buffer`` (int32, on the workspace's device): plan() copies the page
     tables into them and run() can be captured; a replay after a new plan() computes the new batch.
-    ``use_tensor_cores`` and ``backend`` are accepted for compatibility: flashkern picks tensor
-    cores by itself for GQA groups above 4.
+    ``use_tensor_cores`` and ``backend`` are accepted for compatibility (``use_tensor_cores`` is kept
+    as an attribute): flashkern picks tensor cores by itself for GQA groups above 4. The workspace is
+    any contiguous 1-D tensor of 1-byte elements (``torch.uint8`` or ``torch.int8``), 16-byte aligned.
     """
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
@@ -48,6 +49,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  backend="auto"):
         op = "BatchDecodeWithPagedKVCacheWrapper"
         self._core = PagedAttention(op, float_workspace_buffer, kv_layout, use_cuda_graph)
+        self.use_tensor_cores = use_tensor_cores
         self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         if use_cuda_graph:
             names = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")
@@ -62,15 +64,38 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def is_cuda_graph_enabled(self):
         return self._core.is_cuda_graph_enabled
 
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None):
+        """Use a new workspace (flashkern has one; ``int_workspace_buffer`` is accepted and unused).
+        The plan lives in the workspace: call plan() again before run()."""
+        self._core.reset_workspace("BatchDecodeWithPagedKVCacheWrapper.reset_workspace_buffer", float_workspace_buffer)
+
+    def end_forward(self):
+        """Nothing to release (as in FlashInfer, where it is kept for old callers)."""
+
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True):
         """Plan decode for a batch of ``len(indptr) - 1`` requests (see the class docstring).
-        All host work happens here; a bad page table raises ValueError or TypeError now, not in run()."""
-        op = "BatchDecodeWithPagedKVCacheWrapper.plan"
+        All host work happens here; a bad page table raises ValueError or TypeError now, not in run().
+        ``data_type`` (the old name) fills only a dtype left as None, as in FlashInfer."""
+        self._plan("BatchDecodeWithPagedKVCacheWrapper.plan", indptr, indices, last_page_len, num_qo_heads,
+                   num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
+                   kv_data_type, data_type, sm_scale, rope_scale, rope_theta)
+
+    begin_forward = plan
+
+    def _plan(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None,
+              data_type=None, sm_scale=None, rope_scale=None, rope_theta=None):
+        """plan(), its errors under the name of the function the caller called."""
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
-        q_dtype = attention_dtype(op, "q_data_type", data_type if data_type is not None else q_data_type)
+        if data_type is not None:
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+        q_dtype = attention_dtype(op, "q_data_type", q_data_type)
+        if q_dtype is None:
+            raise TypeError(f"{op}: q_data_type must be torch.float16 or torch.bfloat16, got None")
         kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
         check_tensor(op, "indptr", indptr)
         if indptr.dim() != 1 or indptr.shape[0] < 1:
@@ -85,8 +110,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                          ("qo_indptr", "indptr", "indices", "last_page_len"), False,
                          {_C.attention_kind(1, num_qo_heads // max(num_kv_heads, 1))})  # every request: one query
 
-    begin_forward = plan
-
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None):
         """Decode: q ``[batch, num_qo_heads, head_dim]`` -> out ``[batch, num_qo_heads, head_dim]``
@@ -98,6 +121,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return (out, lse) if return_lse else out
 
     forward = run
+
+    def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
+        """run(..., return_lse=True): (out, lse)."""
+        return self.run(q, paged_kv_cache, *args, **{**kwargs, "return_lse": True})
+
+    forward_return_lse = run_return_lse
 
     def _device_indices(self, op, indices, indptr, last_page_len, batch):
         """kv_indices where the kernels read them: the fixed buffer under CUDA graphs (filled here)."""
@@ -160,6 +189,6 @@ def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm
     workspace = torch.empty(_C.workspace_bytes(slots, 1, num_qo_heads, head_dim), dtype=torch.uint8, device=device)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
-    wrapper.plan(i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads, head_dim, kv_len,
-                 q_data_type=dtype, sm_scale=sm_scale)
+    wrapper._plan("single_decode_with_kv_cache", i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads,
+                  head_dim, kv_len, q_data_type=dtype, sm_scale=sm_scale)
     return wrapper
