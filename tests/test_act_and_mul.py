@@ -127,3 +127,18 @@ def test_act_mul_gradcheck_float64():
     up = rand((5, 7), torch.float64, "cpu", seed=15).requires_grad_()
     for act in ACTIVATIONS:
         assert torch.autograd.gradcheck(lambda a, b: flashkern.act_mul(a, b, act), (gate, up))
+
+
+@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"])
+def test_flashinfer_calling_conventions(device, name):
+    """FlashInfer's signature (input, out=None, enable_pdl=None): enable_pdl is accepted and, with no
+    programmatic dependent launch in flashkern yet, changes nothing."""
+    fn = getattr(flashkern, name)
+    x = rand((3, 2 * 40), torch.float16, device, seed=40)
+    expected = fn(x)
+    for enable_pdl in (None, True, False):
+        out = torch.empty(3, 40, dtype=torch.float16, device=device)
+        assert fn(x, out, enable_pdl) is out and torch.equal(out, expected)
+        assert torch.equal(fn(x, enable_pdl=enable_pdl), expected)
+    with pytest.raises(TypeError, match=f"{name}: enable_pdl must be None or a bool"):
+        fn(x, enable_pdl=1)

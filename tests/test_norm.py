@@ -178,3 +178,23 @@ def test_out_variant_refuses_autograd(device):
     w = rand((8,), torch.float32, device)
     with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
         flashkern.rmsnorm(x, w, out=torch.empty(4, 8, device=device))
+
+
+@pytest.mark.parametrize("enable_pdl", [None, True, False])
+def test_flashinfer_calling_conventions(device, enable_pdl):
+    """FlashInfer's signatures: eps, out and enable_pdl by position and by name (enable_pdl is accepted
+    and, with no programmatic dependent launch in flashkern yet, changes nothing)."""
+    x, w = rand((5, 64), torch.bfloat16, device, seed=30), rand((64,), torch.bfloat16, device, seed=31)
+    expected = flashkern.rmsnorm(x, w, 1e-5)
+    for fn, offset in ((flashkern.rmsnorm, 0.0), (flashkern.gemma_rmsnorm, 1.0)):
+        out = torch.empty_like(x)
+        assert fn(x, w, 1e-5, out, enable_pdl) is out
+        assert torch.equal(out, fn(x, w, eps=1e-5, enable_pdl=enable_pdl))
+    assert torch.equal(flashkern.rmsnorm(x, w, 1e-5, None, enable_pdl), expected)
+    for fn in (flashkern.fused_add_rmsnorm, flashkern.gemma_fused_add_rmsnorm):
+        a, r, b, s = x.clone(), w.expand(5, 64).clone(), x.clone(), w.expand(5, 64).clone()
+        fn(a, r, w, 1e-5, enable_pdl)
+        fn(b, s, w, eps=1e-5)
+        assert torch.equal(a, b) and torch.equal(r, s)
+    with pytest.raises(TypeError, match="rmsnorm: enable_pdl must be None or a bool, got 'yes'"):
+        flashkern.rmsnorm(x, w, enable_pdl="yes")

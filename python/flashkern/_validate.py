@@ -189,6 +189,13 @@ HEAD_DIMS = (64, 128, 256)
 MAX_LEVELS = _C.MAX_LEVELS  # attention levels: kv_indices pointers travel in the kernels' parameters
 
 
+def check_enable_pdl(op, enable_pdl):
+    """FlashInfer's enable_pdl: None or a bool. Accepted and, for now, ignored: no flashkern kernel uses
+    programmatic dependent launch yet (README)."""
+    if enable_pdl is not None and not isinstance(enable_pdl, bool):
+        raise TypeError(f"{op}: enable_pdl must be None or a bool, got {enable_pdl!r}")
+
+
 def check_head_dim(op, head_dim):
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"{op}: head_dim must be 64, 128 or 256, got {head_dim}")

@@ -9,6 +9,7 @@ import torch
 from . import _backend, ref
 from ._validate import (
     check_same,
+    check_enable_pdl,
     check_act_and_mul,
     check_act_mul,
     check_act_and_mul_output,
@@ -36,22 +37,26 @@ def _act_and_mul(input, activation, out):
     return out
 
 
-def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: bool = None) -> torch.Tensor:
     """SwiGLU: ``silu(input[..., :d]) * input[..., d:]`` for input ``[..., 2d]``; returns ``[..., d]``.
 
     float16, bfloat16 or float32, last dimension contiguous; math in float32. Differentiable when
-    ``out`` is None.
+    ``out`` is None. ``enable_pdl`` (FlashInfer's) is accepted and ignored: flashkern does not use
+    programmatic dependent launch yet.
     """
+    check_enable_pdl("silu_and_mul", enable_pdl)
     return _act_and_mul(input, "silu", out)
 
 
-def gelu_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+def gelu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: bool = None) -> torch.Tensor:
     """GeGLU with the exact (erf) GELU: ``gelu(input[..., :d]) * input[..., d:]``; see silu_and_mul."""
+    check_enable_pdl("gelu_and_mul", enable_pdl)
     return _act_and_mul(input, "gelu", out)
 
 
-def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: bool = None) -> torch.Tensor:
     """GeGLU with the tanh-approximated GELU: ``gelu_tanh(input[..., :d]) * input[..., d:]``."""
+    check_enable_pdl("gelu_tanh_and_mul", enable_pdl)
     return _act_and_mul(input, "gelu_tanh", out)
 
 

@@ -7,7 +7,7 @@ Order in this file: public functions, CPU reference registration, fake functions
 import torch
 
 from . import _backend, ref
-from ._validate import check_last_dim_contiguous, check_rmsnorm, check_same, check_tensor
+from ._validate import check_enable_pdl, check_last_dim_contiguous, check_rmsnorm, check_same, check_tensor
 
 _ops = torch.ops.flashkern
 
@@ -43,34 +43,40 @@ def _fused_add_rmsnorm(input, residual, weight, eps, weight_offset):
     _ops.fused_add_rmsnorm(input, residual, weight, eps, weight_offset)
 
 
-def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor = None) -> torch.Tensor:
+def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor = None,
+            enable_pdl: bool = None) -> torch.Tensor:
     """Root mean square normalization: ``input * rsqrt(mean(input**2, -1) + eps) * weight``.
 
     input: ``[tokens, hidden]``, or ``[tokens, heads, head_dim]`` to normalize each head (q/k norm);
     float16, bfloat16 or float32, last dimension contiguous (rows may be strided).
     weight: ``[hidden]``, input's dtype or float32. Math in float32; the result is rounded once to
-    input's dtype. Differentiable (input and weight) when ``out`` is None.
+    input's dtype. Differentiable (input and weight) when ``out`` is None. ``enable_pdl`` (FlashInfer's)
+    is accepted and ignored: flashkern does not use programmatic dependent launch yet.
     """
+    check_enable_pdl("rmsnorm", enable_pdl)
     return _rmsnorm(input, weight, eps, 0.0, out)
 
 
-def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None):
+def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     """Gemma's RMSNorm: ``input * rsqrt(mean(input**2, -1) + eps) * (1 + weight)``; see rmsnorm."""
+    check_enable_pdl("gemma_rmsnorm", enable_pdl)
     return _rmsnorm(input, weight, eps, 1.0, out)
 
 
-def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6) -> None:
+def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None) -> None:
     """In place: ``residual += input``, then ``input = rmsnorm(residual, weight, eps)``.
 
     Rounding, as FlashInfer's: the sum is computed in float32; ``residual`` gets it rounded to the
     dtype, and the norm is computed from the unrounded float32 sum and rounded once when written
-    to ``input``. Inference only (no autograd).
+    to ``input``. Inference only (no autograd). ``enable_pdl``: as in rmsnorm.
     """
+    check_enable_pdl("fused_add_rmsnorm", enable_pdl)
     _fused_add_rmsnorm(input, residual, weight, eps, 0.0)
 
 
-def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6) -> None:
+def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None) -> None:
     """fused_add_rmsnorm with Gemma's ``(1 + weight)``."""
+    check_enable_pdl("gemma_fused_add_rmsnorm", enable_pdl)
     _fused_add_rmsnorm(input, residual, weight, eps, 1.0)
 
 
