@@ -346,3 +346,48 @@ def test_misaligned_cache_is_rejected():
     flat.copy_(cache)
     with pytest.raises(ValueError, match="16-byte boundary"):
         wrapper.run(q, flat)
+
+
+def test_flashinfer_plan_and_run_parameters(device):
+    """FlashInfer's plan() parameters by position, in its order (o_data_type before data_type) and by
+    name; run()'s keywords. What flashkern does not implement raises ValueError naming it."""
+    wrapper, cache, tables, q = planned(device)
+    expected = wrapper.run(q, cache)
+    #           pos_enc  window  soft_cap  q_dtype        kv_dtype       o_dtype        data_type
+    wrapper.plan(*tables, 8, 2, 64, 16, "NONE", -1, None, torch.float16, torch.float16, torch.float16, None,
+                 None, None, None, True, None, None, None, False, 1, window_right=0)
+    out, lse = wrapper.run(q, cache, enable_pdl=True, window_left=-1, sinks=None, q_len_per_req=1,
+                           skip_softmax_threshold_scale_factor=None, kv_cache_sf=None, return_lse=True)
+    assert torch.equal(out, expected)
+    for name, value in (("block_tables", i32([[0, 1]])), ("seq_lens", i32([20, 5])), ("q_len_per_req", 2),
+                        ("window_right", -1), ("o_data_type", torch.bfloat16)):
+        with pytest.raises(ValueError, match=f"plan: {name}.* not supported by flashkern"):
+            wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16, **{name: value})
+    for name, value in (("sinks", torch.zeros(8, device=device)), ("q_len_per_req", 2), ("window_left", 128),
+                        ("skip_softmax_threshold_scale_factor", 0.5), ("kv_cache_sf", (cache, cache))):
+        with pytest.raises(ValueError, match=f"run: {name}.* not supported by flashkern"):
+            wrapper.run(q, cache, **{name: value})
+    with pytest.raises(ValueError, match="extra positional arguments"):
+        wrapper.run(q, cache, 1.0)
+    with pytest.raises(TypeError, match="enable_pdl must be None or a bool"):
+        wrapper.run(q, cache, enable_pdl="on")
+    with pytest.raises(ValueError, match="jit_args .* not supported"):
+        BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1), jit_args=["custom"])
+
+
+@pytest.mark.parametrize("split", ["disable_split_kv", "fixed_split_size"])
+def test_split_options(device, split):
+    """disable_split_kv: one block of work per request, no merge; fixed_split_size: chunks of that many
+    pages whatever the device (the plan does not depend on the batch); both still exact."""
+    kwargs = {"disable_split_kv": True} if split == "disable_split_kv" else {"fixed_split_size": 8}  # 8 x 16 tokens
+    lengths = [4097, 300, 1]
+    kvs = random_kv(lengths, 2, 64, seed=3)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.bfloat16, device, seed=3)
+    q = rand((3, 8, 64), torch.bfloat16, device, seed=4)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kwargs)
+    info = wrapper._core._plan_info
+    assert info["chunk"] == (4160 if split == "disable_split_kv" else 128)  # 4097 rounded up to 64; 8 pages
+    assert (info["grid"][3] == 0) == (split == "disable_split_kv")  # a merge only when split
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    check(out, lse, [attention(q[b], k, v) for b, (k, v) in enumerate(rounded(kvs, torch.bfloat16))], torch.bfloat16)

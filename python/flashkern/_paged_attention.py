@@ -17,6 +17,7 @@ from ._validate import ATTENTION_DTYPES, check_aligned, check_batch_attention, c
 _ops = torch.ops.flashkern
 
 MIN_CHUNK = 256  # tokens: split-KV never cuts a sequence finer
+MAX_KV_LENGTH = 1 << 30  # attention_plan.h: kMaxKvLength
 CPU_CTA_BUDGET = 16  # the CPU runs plans through the reference; a small budget still splits long sequences
 ALL_KINDS = {0, 1, 2}  # attention_work.h: AttentionKind (decode, tile16, tile64)
 
@@ -66,11 +67,19 @@ def attention_dtype(op, name, value, default=None):
 
 def reject_unsupported(op, **options):
     """FlashInfer options flashkern accepts only at their defaults (the kernels do not implement them)."""
-    defaults = {"pos_encoding_mode": "NONE", "window_left": -1, "logits_soft_cap": None, "rope_scale": None,
-                "rope_theta": None, "causal": False, "q_scale": None, "k_scale": None, "v_scale": None}
+    defaults = {"pos_encoding_mode": "NONE", "window_left": -1, "window_right": 0, "logits_soft_cap": None,
+                "rope_scale": None, "rope_theta": None, "causal": False, "q_scale": None, "k_scale": None,
+                "v_scale": None, "q_len_per_req": 1, "block_tables": None, "seq_lens": None, "sinks": None,
+                "skip_softmax_threshold_scale_factor": None, "kv_cache_sf": None, "jit_args": None}
     for name, value in options.items():
-        if value != defaults[name] and not (name == "logits_soft_cap" and value == 0.0):
-            raise ValueError(f"{op}: {name}={value!r} is not supported by flashkern (only {defaults[name]!r})")
+        default = defaults[name]
+        if default is None and (value is None or (name == "logits_soft_cap" and value == 0.0)):
+            continue
+        if default is not None and not isinstance(value, torch.Tensor) and value == default:
+            continue
+        given = f"{name} (a {type(value).__name__})" if isinstance(value, (torch.Tensor, tuple, list)) else \
+            f"{name}={value!r}"
+        raise ValueError(f"{op}: {given} is not supported by flashkern (only {default!r})")
 
 
 def check_buffer(op, name, buffer, device):
@@ -140,7 +149,7 @@ class PagedAttention:
         return self._use_cuda_graph
 
     def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-              q_dtype, kv_dtype, names, indexed, possible_kinds):
+              q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None):
         """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
         shape-checked; device_indices: each level's kv_indices where the kernels will read them.
         Checks the rest, plans, and writes the plan into the workspace."""
@@ -170,9 +179,12 @@ class PagedAttention:
             (qo.data_ptr() if qo is not None else 0, kv.data_ptr(), last.data_ptr(), kv.shape[0] - 1, indices.shape[0])
             for qo, kv, indices, last in levels
         ]
+        # split_tokens: a fixed chunk length (one block of work per that many tokens, however many
+        # blocks the device has), or MAX_KV_LENGTH for no split at all
+        budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else (1 << 40, split_tokens)
         words, counts, slots, chunk, needs_merge = _C.plan_attention(
-            plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, self._cta_budget,
-            self._min_chunk, item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
+            plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
+            item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
         self._workspace[: 4 * words].view(torch.int32).copy_(payload[:words], non_blocking=True)
         if self._use_cuda_graph:  # the captured launch must not depend on the plan
             grid = [self._cta_budget if k in possible_kinds else 0 for k in range(3)] + [1]

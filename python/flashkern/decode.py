@@ -9,6 +9,7 @@ import torch
 
 from . import _C
 from ._paged_attention import (
+    MAX_KV_LENGTH,
     PagedAttention,
     attention_dtype,
     check_buffer,
@@ -17,7 +18,7 @@ from ._paged_attention import (
     host_int32,
     reject_unsupported,
 )
-from ._validate import check_tensor
+from ._validate import check_enable_pdl, check_tensor
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -46,8 +47,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 backend="auto"):
+                 backend="auto", jit_args=None):
         op = "BatchDecodeWithPagedKVCacheWrapper"
+        reject_unsupported(op, jit_args=jit_args)
         self._core = PagedAttention(op, float_workspace_buffer, kv_layout, use_cuda_graph)
         self.use_tensor_cores = use_tensor_cores
         self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
@@ -74,19 +76,36 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True):
+             kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
+             q_len_per_req=1, *, window_right=0):
         """Plan decode for a batch of ``len(indptr) - 1`` requests (see the class docstring).
         All host work happens here; a bad page table raises ValueError or TypeError now, not in run().
-        ``data_type`` (the old name) fills only a dtype left as None, as in FlashInfer."""
-        self._plan("BatchDecodeWithPagedKVCacheWrapper.plan", indptr, indices, last_page_len, num_qo_heads,
-                   num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
-                   kv_data_type, data_type, sm_scale, rope_scale, rope_theta)
+        FlashInfer's parameters, in its order: ``data_type`` (the old name) fills only a dtype left as
+        None; ``disable_split_kv`` gives each request one block of work (no split, no merge);
+        ``fixed_split_size`` splits every request into chunks of that many pages (rounded up to 64
+        tokens; longer if the workspace cannot hold the pieces) whatever the device, so results do
+        not depend on the batch. ``o_data_type`` must be q's dtype; ``block_tables``, ``seq_lens``,
+        ``q_len_per_req`` > 1 and ``window_right`` != 0 are not supported yet (ValueError)."""
+        op = "BatchDecodeWithPagedKVCacheWrapper.plan"
+        reject_unsupported(op, block_tables=block_tables, seq_lens=seq_lens, q_len_per_req=q_len_per_req,
+                           window_right=window_right)
+        if disable_split_kv not in (False, True):
+            raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
+        split_tokens = MAX_KV_LENGTH if disable_split_kv else None
+        if fixed_split_size is not None and not disable_split_kv:
+            if not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool) or fixed_split_size < 1:
+                raise ValueError(f"{op}: fixed_split_size must be a positive int (pages), got {fixed_split_size!r}")
+            split_tokens = min(fixed_split_size * page_size, MAX_KV_LENGTH) if isinstance(page_size, int) else None
+        self._plan(op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                   pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale,
+                   rope_scale, rope_theta, o_data_type, split_tokens)
 
     begin_forward = plan
 
     def _plan(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
               pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None,
-              data_type=None, sm_scale=None, rope_scale=None, rope_theta=None):
+              data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, o_data_type=None, split_tokens=None):
         """plan(), its errors under the name of the function the caller called."""
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
@@ -97,6 +116,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_dtype is None:
             raise TypeError(f"{op}: q_data_type must be torch.float16 or torch.bfloat16, got None")
         kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
+        if attention_dtype(op, "o_data_type", o_data_type, default=q_dtype) != q_dtype:
+            raise ValueError(f"{op}: o_data_type other than q_data_type ({q_dtype}) is not supported by flashkern yet")
         check_tensor(op, "indptr", indptr)
         if indptr.dim() != 1 or indptr.shape[0] < 1:
             raise ValueError(f"{op}: indptr must be 1-D with batch_size + 1 entries, got shape {tuple(indptr.shape)}")
@@ -108,15 +129,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._core._plan(op, [(None, indptr_h, indices_h, last_h)], [indices_d], batch, num_qo_heads, num_kv_heads,
                          head_dim, page_size, sm_scale, q_dtype, kv_dtype,
                          ("qo_indptr", "indptr", "indices", "last_page_len"), False,
-                         {_C.attention_kind(1, num_qo_heads // max(num_kv_heads, 1))})  # every request: one query
+                         {_C.attention_kind(1, num_qo_heads // max(num_kv_heads, 1))},  # every request: one query
+                         split_tokens)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, window_left=None):
+            return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
+            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
         """Decode: q ``[batch, num_qo_heads, head_dim]`` -> out ``[batch, num_qo_heads, head_dim]``
         (q's dtype), and with ``return_lse`` also lse ``[batch, num_qo_heads]`` float32, the
-        natural-log sum-exp of the scaled logits. ``out`` / ``lse`` may be given (contiguous)."""
+        natural-log sum-exp of the scaled logits. ``out`` / ``lse`` may be given (contiguous).
+        FlashInfer's keywords: ``enable_pdl`` is accepted and ignored (no PDL yet); ``window_left``
+        must be None or the plan's -1; ``sinks``, ``q_len_per_req`` > 1, the fp8 scales,
+        ``skip_softmax_threshold_scale_factor`` and ``kv_cache_sf`` are not supported yet (ValueError)."""
         op = "BatchDecodeWithPagedKVCacheWrapper.run"
-        reject_unsupported(op, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        if args:
+            raise ValueError(f"{op}: extra positional arguments (custom-kernel arguments in FlashInfer) are not "
+                             f"supported by flashkern, got {len(args)}")
+        check_enable_pdl(op, enable_pdl)
+        reject_unsupported(op, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                           q_len_per_req=1 if q_len_per_req is None else q_len_per_req,
+                           skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                           kv_cache_sf=kv_cache_sf, window_left=-1 if window_left is None else window_left)
         out, lse = self._core._run(op, q, paged_kv_cache, out, lse)
         return (out, lse) if return_lse else out
 
