@@ -24,7 +24,7 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
 
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
 FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
-  constexpr int kMaxVecs = kRmsnormLimits.max_vecs_per_thread;
+  constexpr int kMaxVecs = (kResidual ? kFusedRmsnormLimits : kRmsnormLimits).max_vecs_per_thread;
   using S = std::conditional_t<kResidual, float, T>;  // what is normalized: fused, the unrounded fp32 sum
   FK_STATIC_SHARED(float, scratch, [RowGroup<kWarp>::kMaxWarps]);
   const int tpr = plan.threads_per_row;
@@ -295,7 +295,7 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
         constexpr int kV = decltype(wide_c)::value ? kVec : 1;
         return with_bool(residual, [&](auto res_c) {
           constexpr bool kResidual = decltype(res_c)::value;
-          const RowPlan plan = plan_rows(p.rows, p.cols, kV, kRmsnormLimits);
+          const RowPlan plan = plan_rows(p.rows, p.cols, kV, kResidual ? kFusedRmsnormLimits : kRmsnormLimits);
           const auto kernel = rmsnorm_kernel<kWarp, T, W, kV, kResidual>;
           FK_LAUNCH(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), stream)(p, plan);
           return last_launch_error();
