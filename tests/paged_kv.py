@@ -43,19 +43,36 @@ def paged(kvs, page_size, kv_layout="NHD", dtype=torch.float64, device="cpu", ex
     return cache.to(device=device, dtype=dtype), i32(indptr), i32(indices), i32(last)
 
 
-def attention(q, k, v, sm_scale=None):
+def attention(q, k, v, sm_scale=None, sinks=None):
     """One query per q head over one key set, float64: q [qo_heads, D], k and v [n, kv_heads, D]
-    (grouped-query) -> (o [qo_heads, D], lse [qo_heads]); no keys: (0, -inf)."""
+    (grouped-query) -> (o [qo_heads, D], lse [qo_heads]); no keys: (0, -inf). sinks [qo_heads]: one
+    more logit per head, of value zero, in the softmax and the lse (GPT-OSS)."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    if k.shape[0] == 0:
-        return torch.zeros_like(q), torch.full(q.shape[:1], float("-inf"), dtype=torch.float64)
     group = q.shape[0] // k.shape[1]
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     logits = torch.einsum("hd,lhd->hl", q, k.repeat_interleave(group, 1)) * sm_scale
-    o = torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), v.repeat_interleave(group, 1))
+    values = v.repeat_interleave(group, 1)
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.double().cpu()[:, None]], 1)
+        values = torch.cat([values, torch.zeros_like(values[:1])])
+    if logits.shape[1] == 0:
+        return torch.zeros_like(q), torch.full(q.shape[:1], float("-inf"), dtype=torch.float64)
+    o = torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), values)
     return o, torch.logsumexp(logits, -1)
 
 
 def rounded(kvs, dtype):
     """The requests' K/V as the kernels see them: rounded to dtype, back in float64."""
     return [(k.to(dtype).double(), v.to(dtype).double()) for k, v in kvs]
+
+
+def causal_expected(q, kvs, q_len, sinks=None, sm_scale=None):
+    """float64 attention of q [batch * q_len, heads, D]: token i of request b (kv_len keys) sees the keys
+    up to kv_len - q_len + i."""
+    expected = []
+    for row in range(q.shape[0]):
+        b, i = divmod(row, q_len)
+        k, v = kvs[b]
+        visible = max(k.shape[0] - q_len + 1 + i, 0)
+        expected.append(attention(q[row], k[:visible], v[:visible], sm_scale, sinks))
+    return expected

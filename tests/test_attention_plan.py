@@ -23,8 +23,9 @@ def plan_of(wrapper):
     return info, ref.attention.read_plan(words)
 
 
-def check_plan(wrapper, levels, group):
-    """levels: [(qo_indptr, kv_indptr, last_page_len)] as lists; page_size from the plan."""
+def check_plan(wrapper, levels, group, causal=False):
+    """levels: [(qo_indptr, kv_indptr, last_page_len)] as lists; page_size from the plan; causal: the
+    last level's groups are causal (each item's diagonal: the group's length minus its queries)."""
     info, (items, indptr, merge_indices) = plan_of(wrapper)
     batch, page_size, chunk = info["batch"], info["page_size"], info["chunk"]
     assert chunk % 64 == 0
@@ -32,13 +33,14 @@ def check_plan(wrapper, levels, group):
     for kind, kind_items in enumerate(items):
         lengths = [i[6] - i[5] for i in kind_items]
         assert lengths == sorted(lengths, reverse=True), "longest chunks first"
-        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin in kind_items:
+        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin, diagonal in kind_items:
             qo, kv, last = levels[level]
             g = next(j for j in range(len(qo) - 1) if qo[j] == q_begin and qo[j + 1] - qo[j] == n_q)
             assert page_begin == kv[g]
             pages = kv[g + 1] - kv[g]
             length = (pages - 1) * page_size + last[g]
             assert kv_begin % chunk == 0 and kv_end == min(length, kv_begin + chunk) and kv_begin < kv_end
+            assert diagonal == (length - n_q if causal and level == len(levels) - 1 else 1 << 30)
             expected_kind = 0 if n_q == 1 and group <= 4 else 1 if n_q * group <= 16 else 2
             assert kind == expected_kind
             rows = range(row_begin, min(row_begin + KIND_ROWS[kind], n_q * group))
@@ -115,6 +117,22 @@ def decode_plan(lengths, budget, page_size=16, kv_heads=8, group=4, workspace=64
     wrapper._core._cta_budget, wrapper._core._min_chunk = budget, min_chunk
     wrapper.plan(i32(kv), torch.zeros(kv[-1], dtype=torch.int32), i32(last), kv_heads * group, kv_heads, 128, page_size)
     return check_plan(wrapper, [level], group)
+
+
+@pytest.mark.parametrize("q_len", [2, 7])
+def test_queries_per_request_are_causal(q_len):
+    """q_len_per_req: q_len queries a group at the last level, causal, covered like any group."""
+    lengths = [1, 700, 0, 5000, 33]
+    kv, last = [0], []
+    for n in lengths:
+        pages = -(-n // 16)
+        kv.append(kv[-1] + pages)
+        last.append(n - (pages - 1) * 16 if pages else 0)
+    qo = [q_len * b for b in range(len(lengths) + 1)]
+    wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
+    wrapper._core._cta_budget, wrapper._core._min_chunk = 64, 256
+    wrapper.plan(i32(kv), torch.zeros(kv[-1], dtype=torch.int32), i32(last), 8 * 4, 8, 128, 16, q_len_per_req=q_len)
+    assert check_plan(wrapper, [(qo, kv, last)], 4, causal=True)["chunk"] < 5000
 
 
 def test_one_long_request_is_split_over_the_device():

@@ -8,7 +8,7 @@ in the outputs before the run; argument checks in plan() and run(); opcheck, tor
 import pytest
 import torch
 from conftest import assert_close, poisoned, rand, requires_gpu
-from paged_kv import attention, i32, paged, random_kv, rounded
+from paged_kv import attention, causal_expected, i32, paged, random_kv, rounded
 from torch.library import opcheck
 
 import flashkern
@@ -359,14 +359,20 @@ def test_flashinfer_plan_and_run_parameters(device):
     out, lse = wrapper.run(q, cache, enable_pdl=True, window_left=-1, sinks=None, q_len_per_req=1,
                            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None, return_lse=True)
     assert torch.equal(out, expected)
-    for name, value in (("block_tables", i32([[0, 1]])), ("seq_lens", i32([20, 5])), ("q_len_per_req", 2),
-                        ("window_right", -1), ("o_data_type", torch.bfloat16)):
-        with pytest.raises(ValueError, match=f"plan: {name}.* not supported by flashkern"):
-            wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16, **{name: value})
-    for name, value in (("sinks", torch.zeros(8, device=device)), ("q_len_per_req", 2), ("window_left", 128),
-                        ("skip_softmax_threshold_scale_factor", 0.5), ("kv_cache_sf", (cache, cache))):
+    with pytest.raises(ValueError, match="plan: window_right=-1 is not supported by flashkern"):
+        wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16, window_right=-1)
+    for name, value in (("window_left", 128), ("skip_softmax_threshold_scale_factor", 0.5),
+                        ("kv_cache_sf", (cache, cache))):
         with pytest.raises(ValueError, match=f"run: {name}.* not supported by flashkern"):
             wrapper.run(q, cache, **{name: value})
+    with pytest.raises(ValueError, match="run: q_len_per_req=2 differs from the plan's 1"):
+        wrapper.run(q, cache, q_len_per_req=2)
+    with pytest.raises(ValueError, match="run: k_scale must be None or a finite number"):
+        wrapper.run(q, cache, k_scale=torch.ones(()))
+    with pytest.raises(ValueError, match=r"run: sinks must be a floating tensor of shape \(8,\)"):
+        wrapper.run(q, cache, sinks=torch.zeros(2, device=device))
+    with pytest.raises(TypeError, match="run: out must have the planned o_data_type torch.float16"):
+        wrapper.run(q, cache, out=torch.empty(q.shape, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="extra positional arguments"):
         wrapper.run(q, cache, 1.0)
     with pytest.raises(TypeError, match="enable_pdl must be None or a bool"):
@@ -391,3 +397,88 @@ def test_split_options(device, split):
     assert (info["grid"][3] == 0) == (split == "disable_split_kv")  # a merge only when split
     out, lse = wrapper.run(q, cache, return_lse=True)
     check(out, lse, [attention(q[b], k, v) for b, (k, v) in enumerate(rounded(kvs, torch.bfloat16))], torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])  # 16-row tiles (q_len * group <= 16), 64-row tiles
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_q_len_per_req(device, group, q_len):
+    """Several query tokens per request, the request's last ones, causal among themselves: a request
+    shorter than q_len (its first tokens see nothing: 0 and LSE -inf), an empty one, a split one."""
+    dtype = torch.bfloat16
+    lengths = [3, 37, 0, 700]
+    kvs = random_kv(lengths, 2, 64, seed=30)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, device, seed=30)
+    q = rand((len(lengths) * q_len, 2 * group, 64), dtype, device, seed=31)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(indptr, indices, last, 2 * group, 2, 64, 16, q_data_type=dtype, q_len_per_req=q_len)
+    assert wrapper._core._plan_info["chunk"] < 700
+    out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
+    wrapper.run(q, cache, out=out, lse=lse, q_len_per_req=q_len)
+    check(out, lse, causal_expected(q, rounded(kvs, dtype), q_len), dtype)
+    with pytest.raises(ValueError, match=rf"q must have the planned shape \({4 * q_len}, "):
+        wrapper.run(q[:-1], cache)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_sinks(device, q_len):
+    """A sink logit per head: one more term, of value zero, in each softmax, also for a request
+    without keys (out 0, lse = the sink), across split chunks, and in the lse."""
+    dtype = torch.float16
+    lengths = [1, 0, 40, 900]
+    kvs = random_kv(lengths, 2, 128, seed=32)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, device, seed=32)
+    q = rand((len(lengths) * q_len, 8, 128), dtype, device, seed=33)
+    sinks = rand((8,), torch.float32, device, seed=34) * 3
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=dtype, q_len_per_req=q_len)
+    out, lse = wrapper.run(q, cache, sinks=sinks, return_lse=True)
+    check(out, lse, causal_expected(q, rounded(kvs, dtype), q_len, sinks), dtype)
+    out_bf16, _ = wrapper.run(q, cache, sinks=sinks.bfloat16(), return_lse=True)  # any float dtype
+    assert_close(out_bf16, torch.stack([o for o, _ in causal_expected(q, rounded(kvs, dtype), q_len,
+                                                                        sinks.bfloat16())]), dtype)
+    o1, s1 = single_decode_with_kv_cache(q[2 * q_len], *(x.to(device, dtype) for x in kvs[2]), sinks=sinks,
+                                         return_lse=True)
+    check(o1[None], s1[None], [attention(q[2 * q_len], *rounded(kvs, dtype)[2], sinks=sinks)], dtype)
+
+
+@pytest.mark.parametrize("q_dtype,o_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_o_data_type_and_scales(device, q_dtype, o_dtype):
+    """o_data_type: the output in the other 16-bit type, rounded once from fp32; q_scale and k_scale
+    scale the logits, v_scale the output, as FlashInfer folds them."""
+    lengths = [5, 300]
+    kvs = random_kv(lengths, 1, 64, seed=35)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", q_dtype, device, seed=35)
+    q = rand((2, 4, 64), q_dtype, device, seed=36)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(indptr, indices, last, 4, 1, 64, 16, q_data_type=q_dtype, o_data_type=o_dtype)
+    out, lse = poisoned(q.shape, o_dtype, device), poisoned(q.shape[:2], torch.float32, device)
+    wrapper.run(q, cache, out=out, lse=lse, q_scale=0.5, k_scale=3.0, v_scale=0.25)
+    assert out.dtype == o_dtype
+    expected = [attention(q[b], k, v, sm_scale=1.5 * 64**-0.5) for b, (k, v) in enumerate(rounded(kvs, q_dtype))]
+    check(out, lse, [(0.25 * o, s) for o, s in expected], o_dtype)
+
+
+def test_block_tables_and_seq_lens(device):
+    """FlashInfer's fixed-width page table: seq_lens and block_tables alone, or with a CSR table that
+    says the same; tables that disagree are a ValueError."""
+    wrapper, cache, (indptr, indices, last), q = planned(device)
+    expected = wrapper.run(q, cache)
+    seq_lens = i32([20, 5])
+    block_tables = i32([[indices[0], indices[1], -1], [indices[2], -1, -1]])  # -1: unused entries
+    for kwargs in ({"block_tables": block_tables, "seq_lens": seq_lens},
+                   {"block_tables": block_tables}, {"seq_lens": seq_lens}):
+        tables = (None, None, None) if "seq_lens" in kwargs and "block_tables" in kwargs else (indptr, indices, last)
+        wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16, **kwargs)
+        assert torch.equal(wrapper.run(q, cache), expected)
+    op = "BatchDecodeWithPagedKVCacheWrapper.plan"
+    for kwargs, match in (({"seq_lens": i32([20, 6])}, "seq_lens .* differ from the lengths"),
+                          ({"block_tables": block_tables[:, :1]}, "block_tables must be a 2-D integer tensor"),
+                          ({"block_tables": i32([[indices[1], indices[0]], [indices[2], 0]])},
+                           "block_tables names other pages than indices")):
+        with pytest.raises(ValueError, match=f"{op}: {match}"):
+            wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.float16, **kwargs)
+    with pytest.raises(ValueError, match="block_tables needs seq_lens"):
+        wrapper.plan(None, None, None, 8, 2, 64, 16, block_tables=block_tables)

@@ -73,7 +73,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_rope": [P, P, P, P, P, I, P, P, L, L, I, I, I, I, I64, I, I, I, I],
         "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
         "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, ctypes.POINTER(ctypes.c_int32), I, P, P, P,
-                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I],
+                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I],
         "emu_launch_probe": [I, I, I, I],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
@@ -353,13 +353,13 @@ def attention_lib(request):
     return request.getfixturevalue({"cuda": "emu", "hip-wave64": "emu_wave64", "hip-wave32": "emu_wave32"}[request.param])
 
 
-def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None):
-    """The kernels on the wrapper's plan: (out, lse), both NaN before the launch."""
+def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, sinks=None, out_scale=1.0):
+    """The kernels on the wrapper's plan: (out, lse), both NaN before the launch; out in the plan's o_data_type."""
     from flashkern._paged_attention import kv_cache_views
 
     core, info = wrapper._core, wrapper._core._plan_info
     k, v = kv_cache_views("emu", paged_kv_cache, core._kv_layout)
-    out, lse = nan_like(q), torch.full(q.shape[:2], float("nan"))
+    out, lse = torch.full(q.shape, float("nan"), dtype=info["o_dtype"]), torch.full(q.shape[:2], float("nan"))
     ws = core._workspace
     _, _, _, s_at, v_at = flashkern_C().workspace_layout(ws.numel(), q.shape[0], q.shape[1], q.shape[2])
     indices = kv_indices if kv_indices is not None else info["kv_indices"]
@@ -374,7 +374,8 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None):
                                i64s(*k.stride()[:3], *v.stride()[:3]), k.shape[0], pointers, entries, len(indices),
                                ptr(plan), ptr(partial_s), ptr(partial_v), grid,
                                q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.shape[1],
-                               ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype]))
+                               ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype], ptr(sinks), ctypes.c_float(out_scale),
+                               DTYPE[out.dtype]))
     return out, lse
 
 
@@ -528,6 +529,53 @@ def test_cascade_kernels(attention_lib, group):
     check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, torch.bfloat16)
 
 
+@pytest.mark.parametrize("group,q_len", [(1, 3), (4, 4), (8, 4), (5, 13)])
+def test_batch_attention_kernels_causal_queries(attention_lib, group, q_len):
+    """q_len_per_req: each request's last q_len tokens as queries, causal among themselves, on the
+    16-row tiles (q_len * group <= 16) and the 64-row ones (rows of one query straddling two tiles for
+    group 5): a request shorter than q_len, an empty one, a split one."""
+    from paged_kv import causal_expected, paged, random_kv, rounded
+
+    import flashkern
+
+    lengths, dtype = [3, 37, 0, 300], torch.float16
+    kvs = random_kv(lengths, 2, 64, seed=40)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, seed=40)
+    q = rand((len(lengths) * q_len, 2 * group, 64), dtype, "cpu", seed=41)
+    wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(indptr, indices, last, 2 * group, 2, 64, 16, q_data_type=dtype, q_len_per_req=q_len)
+    assert wrapper._core._plan_info["chunk"] < 300
+    expected = causal_expected(q, rounded(kvs, dtype), q_len)
+    check_attention(*run_attention(attention_lib, wrapper, q, cache), torch.stack([o for o, _ in expected]),
+                    torch.stack([s for _, s in expected]), dtype)
+
+
+@pytest.mark.parametrize("group", [2, 8, 32])  # the decode kernel, the 16-row and 64-row tiles
+def test_batch_attention_kernels_sinks_out_dtype_and_scale(attention_lib, group):
+    """How a query's attention is finished, where each writer does it (a query with one state, the
+    merge of a split one, a request without keys): the head's sink, out_scale, and out in the other
+    16-bit type (o_data_type)."""
+    from paged_kv import attention, paged, random_kv, rounded
+
+    import flashkern
+
+    lengths, dtype = [29, 0, 400], torch.bfloat16
+    kvs = random_kv(lengths, 1, 128, seed=42)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, seed=42)
+    q = rand((len(lengths), group, 128), dtype, "cpu", seed=43)
+    sinks = rand((group,), torch.float32, "cpu", seed=44) * 4
+    wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(indptr, indices, last, group, 1, 128, 16, q_data_type=dtype, o_data_type=torch.float16)
+    assert wrapper._core._plan_info["grid"][3] == 1  # request 2 is split and merged
+    out, lse = run_attention(attention_lib, wrapper, q, cache, sinks=sinks, out_scale=0.5)
+    assert out.dtype == torch.float16
+    expected = [attention(q[b], k, v, sinks=sinks) for b, (k, v) in enumerate(rounded(kvs, dtype))]
+    check_attention(out, lse, 0.5 * torch.stack([o for o, _ in expected]), torch.stack([s for _, s in expected]),
+                    torch.float16)
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -554,4 +602,6 @@ def test_every_kernel_and_path(attention_lib):
         test_batch_attention_kernels(lib, group, head_dim, page_size, torch.bfloat16)
     test_batch_attention_kernels_loop_over_items(lib)
     test_batch_attention_kernels_page_outside_the_cache(lib, "minus_one")
+    test_batch_attention_kernels_causal_queries(lib, 5, 13)
+    test_batch_attention_kernels_sinks_out_dtype_and_scale(lib, 8)
     test_cascade_kernels(lib, 5)

@@ -193,6 +193,36 @@ def test_merge_weights(lib):
     assert np.isnan(out[n + 3]).all()  # NaN stays NaN
 
 
+def test_final_state(lib):
+    """A query's state finished with its head's sink (a key of value zero): the output factor
+    exp(s - lse) * out_scale and lse = logaddexp(s, sink); no sink (-inf) leaves the state alone;
+    an empty state takes the sink's lse and a zero output; NaN stays NaN."""
+    rng = np.random.default_rng(3)
+    s = np.concatenate([rng.normal(0, 20, 5000), [-np.inf, -np.inf, 2.0, np.nan, 1.0]]).astype(np.float32)
+    sink = np.concatenate([rng.normal(0, 20, 5000), [1.5, -np.inf, -np.inf, 0.0, np.nan]]).astype(np.float32)
+    out = np.empty((s.size, 2), dtype=np.float32)
+    lib.fk_final_state(ptr(s), ptr(sink), ctypes.c_float(0.5), ptr(out), ctypes.c_int64(s.size))
+    s64, sink64 = s[:5000].astype(np.float64), sink[:5000].astype(np.float64)
+    np.testing.assert_allclose(out[:5000, 1], np.logaddexp(s64, sink64), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(out[:5000, 0], 0.5 / (1.0 + np.exp(sink64 - s64)), rtol=1e-5, atol=1e-7)
+    n = 5000
+    assert list(out[n]) == [0.0, 1.5] and list(out[n + 1]) == [0.5, -np.inf] and list(out[n + 2]) == [0.5, 2.0]
+    assert np.isnan(out[n + 3]).all() and np.isnan(out[n + 4]).all()
+
+
+def test_visible_end(lib):
+    """Causal items: query i sees the tokens up to i + diagonal, within the chunk; no diagonal
+    (kNoDiagonal = 2^30) leaves the chunk whole, without overflow for the largest query index."""
+    i = np.array([0, 1, 5, 2**31 - 1], dtype=np.int32)
+    out = np.empty_like(i)
+    lib.fk_visible_end(64, 128, 100, ptr(i), ptr(out), ctypes.c_int64(i.size))
+    assert out.tolist() == [101, 102, 106, 128]
+    lib.fk_visible_end(64, 128, -3, ptr(i), ptr(out), ctypes.c_int64(i.size))
+    assert out.tolist() == [-2, -1, 3, 128]  # before the chunk: the kernels then copy nothing
+    lib.fk_visible_end(0, 2**30 - 1, 2**30, ptr(i), ptr(out), ctypes.c_int64(i.size))
+    assert out.tolist() == [2**30 - 1] * 4
+
+
 def test_divmod(lib):
     """The page/slot split of every token position: n / d and n % d by multiply-high, for n < 2^31."""
     rng = np.random.default_rng(2)

@@ -576,7 +576,8 @@ bool rows_aligned16(const Tensor& t) {
 }
 
 void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, at::TensorList kv_indices,
-                     Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale) {
+                     Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale,
+                     const std::optional<Tensor>& sinks, double out_scale) {
   const char* op = "batch_attention";
   TORCH_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
                     as_tuple(q_in.sizes()));
@@ -618,10 +619,10 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                     op, ": workspace must be a contiguous 1-D uint8 tensor on ", q_in.device());
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(workspace.const_data_ptr()) % 16 == 0, op,
                     ": workspace must start on a 16-byte boundary");
-  TORCH_CHECK_VALUE(out.scalar_type() == q_in.scalar_type() && out.sizes() == q_in.sizes() && out.is_contiguous() &&
-                        out.device() == q_in.device(),
-                    op, ": out must be a contiguous ", dtype_name(q_in.scalar_type()), " tensor of shape ",
-                    as_tuple(q_in.sizes()));
+  TORCH_CHECK_VALUE((out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
+                        out.sizes() == q_in.sizes() && out.is_contiguous() && out.device() == q_in.device(),
+                    op, ": out must be a contiguous float16 or bfloat16 tensor of shape ", as_tuple(q_in.sizes()),
+                    " on ", q_in.device());
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 16 == 0, op,
                     ": out must start on a 16-byte boundary");
   TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == q_in.sizes().slice(0, 2) && lse.is_contiguous() &&
@@ -631,6 +632,11 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   for (const int64_t g : grid)
     TORCH_CHECK_VALUE(g >= 0 && g < (int64_t(1) << 31), op, ": grid must be four non-negative block counts, got ", grid);
   TORCH_CHECK_VALUE(std::isfinite(sm_scale), op, ": sm_scale must be finite, got ", sm_scale);
+  TORCH_CHECK_VALUE(std::isfinite(out_scale), op, ": out_scale must be finite, got ", out_scale);
+  if (sinks.has_value())
+    TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == qo_heads &&
+                          sinks->is_contiguous() && sinks->device() == q_in.device(),
+                      op, ": sinks must be a contiguous float32 tensor of shape (", qo_heads, ",) on ", q_in.device());
   if (batch == 0) return;
 
   const c10::DeviceGuard guard(q_in.device());
@@ -657,8 +663,11 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   p.batch = int(batch), p.qo_heads = int(qo_heads), p.kv_heads = int(kv_heads), p.head_dim = int(head_dim);
   p.page_size = int(page_size);
   p.page_div = fk::Divmod(uint32_t(page_size));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sm_scale = float(sm_scale);
+  p.out_scale = float(out_scale);
   p.dtype = to_dtype(q.scalar_type());
+  p.out_dtype = to_dtype(out.scalar_type());
   check_launch(fk::launch_batch_attention(p, current_stream(q)), op);
 }
 

@@ -35,11 +35,12 @@ inline void define_schemas(torch::Library& m) {
   m.def("merge_states(Tensor v, Tensor s) -> (Tensor v_merged, Tensor s_merged)");
   // attention over a paged KV cache as planned in `workspace` (attention_work.h): q [batch, qo_heads,
   // head_dim], k_cache and v_cache [pages, page_size, kv_heads, head_dim] (views of the cache), one
-  // kv_indices per level; writes out [batch, qo_heads, head_dim] and lse [batch, qo_heads] (natural
-  // log). grid: blocks for the decode, 16-row and 64-row kernels and (0 or 1) the merge.
+  // kv_indices per level; writes out [batch, qo_heads, head_dim] (float16 or bfloat16, either for
+  // either q) and lse [batch, qo_heads] (natural log). grid: blocks for the decode, 16-row and 64-row
+  // kernels and (0 or 1) the merge. sinks: [qo_heads] float32 sink logits; out_scale scales out.
   m.def(
       "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
-      "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale) -> ()");
+      "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0) -> ()");
 }
 
 }  // namespace flashkern

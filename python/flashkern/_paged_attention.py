@@ -9,6 +9,8 @@ wrote last) and traced by torch.compile.
 Order in this file: the shared wrapper base, CPU reference registration, fake function.
 """
 
+import math
+
 import torch
 
 from . import _C, _backend, ref
@@ -108,6 +110,66 @@ def host_int32(op, name, t, length=None):
     return t.to("cpu").contiguous()  # a device tensor costs one synchronization here, in plan()
 
 
+def csr_page_table(op, indptr, indices, last_page_len, block_tables, seq_lens, page_size):
+    """FlashInfer's fixed-width page table, seq_lens [batch] and block_tables [batch, max_pages]
+    (request b's pages: the first ceil(seq_lens[b] / page_size) entries of row b), as the CSR
+    (indptr, indices, last_page_len) the planner takes, on the host. The CSR may be None when both
+    are given; where both forms are given they must describe the same pages."""
+    given = (indptr, indices, last_page_len)
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"{op}: page_size must be a positive int, got {page_size!r}")
+    csr = None
+    if any(t is not None for t in given):
+        if any(t is None for t in given):
+            raise ValueError(f"{op}: give indptr, indices and last_page_len together (or all None with block_tables "
+                             "and seq_lens)")
+        indptr_h = host_int32(op, "indptr", indptr)
+        if indptr_h.shape[0] < 1:
+            raise ValueError(f"{op}: indptr must have batch_size + 1 entries")
+        last_h = host_int32(op, "last_page_len", last_page_len, indptr_h.shape[0] - 1)
+        indices_h = host_int32(op, "indices", indices)
+        pages = indptr_h[1:] - indptr_h[:-1]
+        if int(indptr_h[0]) < 0 or bool((pages < 0).any()) or int(indptr_h[-1]) > indices_h.shape[0]:
+            raise ValueError(f"{op}: indptr must be non-decreasing, within the {indices_h.shape[0]} entries of indices")
+        lengths = torch.where(pages > 0, (pages - 1) * page_size + last_h, 0).long()
+        csr = (lengths, indices_h[int(indptr_h[0]) : int(indptr_h[-1])])
+    if seq_lens is None:
+        if csr is None:
+            raise ValueError(f"{op}: block_tables needs seq_lens (or the CSR page table)")
+        lengths = csr[0]
+    else:
+        check_tensor(op, "seq_lens", seq_lens)
+        if seq_lens.dtype.is_floating_point or seq_lens.dtype.is_complex or seq_lens.dtype == torch.bool or \
+                seq_lens.dim() != 1:
+            raise ValueError(f"{op}: seq_lens must be a 1-D integer tensor, got {seq_lens.dtype} of shape "
+                             f"{tuple(seq_lens.shape)}")
+        lengths = seq_lens.to("cpu", torch.int64)
+        if lengths.numel() and int(lengths.min()) < 0:
+            raise ValueError(f"{op}: seq_lens must be >= 0, got {int(lengths.min())}")
+        if csr is not None and not torch.equal(lengths, csr[0]):
+            raise ValueError(f"{op}: seq_lens {lengths.tolist()} differ from the lengths of the CSR page table "
+                             f"{csr[0].tolist()}")
+    n_pages = (lengths + page_size - 1) // page_size
+    if block_tables is None:
+        if csr is None:
+            raise ValueError(f"{op}: seq_lens needs block_tables (or the CSR page table)")
+        return indptr, indices, last_page_len
+    check_tensor(op, "block_tables", block_tables)
+    most = int(n_pages.max()) if n_pages.numel() else 0
+    if block_tables.dtype.is_floating_point or block_tables.dtype == torch.bool or block_tables.dim() != 2 or \
+            block_tables.shape[0] != lengths.shape[0] or block_tables.shape[1] < most:
+        raise ValueError(f"{op}: block_tables must be a 2-D integer tensor [batch={lengths.shape[0]}, max_pages >= "
+                         f"{most}], got {block_tables.dtype} of shape {tuple(block_tables.shape)}")
+    table = block_tables.to("cpu", torch.int64)
+    in_use = torch.arange(table.shape[1])[None, :] < n_pages[:, None]
+    new_indices = table[in_use].to(torch.int32)
+    new_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), n_pages.cumsum(0)]).to(torch.int32)
+    new_last = torch.where(n_pages > 0, lengths - (n_pages - 1) * page_size, 0).to(torch.int32)
+    if csr is not None and not torch.equal(new_indices, csr[1].to(torch.int32)):
+        raise ValueError(f"{op}: block_tables names other pages than indices (the CSR page table)")
+    return new_indptr, new_indices, new_last
+
+
 class PagedAttention:
     """What the wrappers share: the workspace, the plan in it, and run()."""
 
@@ -149,10 +211,11 @@ class PagedAttention:
         return self._use_cuda_graph
 
     def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-              q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None):
+              q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None, o_dtype=None, causal=False):
         """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
-        shape-checked; device_indices: each level's kv_indices where the kernels will read them.
-        Checks the rest, plans, and writes the plan into the workspace."""
+        shape-checked; device_indices: each level's kv_indices where the kernels will read them;
+        batch: the number of queries; causal: the last level's groups are causal (each group's
+        queries are its last tokens). Checks the rest, plans, and writes the plan into the workspace."""
         check_head_dim(op, head_dim)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -176,8 +239,9 @@ class PagedAttention:
         int_words, item_capacity, slot_capacity = layout[:3]
         payload = torch.empty(int_words, dtype=torch.int32, pin_memory=self._device.type == "cuda")
         plan_levels = [
-            (qo.data_ptr() if qo is not None else 0, kv.data_ptr(), last.data_ptr(), kv.shape[0] - 1, indices.shape[0])
-            for qo, kv, indices, last in levels
+            (qo.data_ptr() if qo is not None else 0, kv.data_ptr(), last.data_ptr(), kv.shape[0] - 1, indices.shape[0],
+             causal and i == len(levels) - 1)
+            for i, (qo, kv, indices, last) in enumerate(levels)
         ]
         # split_tokens: a fixed chunk length (one block of work per that many tokens, however many
         # blocks the device has), or MAX_KV_LENGTH for no split at all
@@ -192,11 +256,16 @@ class PagedAttention:
             grid = [min(c, 1 << 20) for c in counts] + [int(needs_merge)]
         self._plan_info = {
             "batch": batch, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "page_size": page_size, "dtype": q_dtype, "sm_scale": sm_scale, "grid": grid, "max_page": max_page,
+            "page_size": page_size, "dtype": q_dtype, "o_dtype": o_dtype or q_dtype, "sm_scale": sm_scale,
+            "grid": grid, "max_page": max_page,
             "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk, "words": words,
         }
 
-    def _run(self, op, q, paged_kv_cache, out, lse):
+    def _run(self, op, q, paged_kv_cache, out, lse, sinks=None, q_scale=None, k_scale=None, v_scale=None,
+             sm_scale=None):
+        """The planned attention of q (and FlashInfer's run() options: sinks [num_qo_heads], one sink
+        logit per head; q_scale and k_scale multiply sm_scale, v_scale the output; sm_scale, if
+        given, replaces the plan's) into out / lse."""
         info = self._plan_info
         if info is None:
             raise RuntimeError(f"{op}: call plan() before run()")
@@ -219,37 +288,64 @@ class PagedAttention:
             raise ValueError(f"{op}: the page tables hold page index {info['max_page']}, but paged_kv_cache has "
                              f"{k.shape[0]} pages")
         self._num_pages = k.shape[0]
-        out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+        sm_scale = info["sm_scale"] if sm_scale is None else scale_factor(op, "sm_scale", sm_scale)
+        sm_scale *= scale_factor(op, "q_scale", q_scale) * scale_factor(op, "k_scale", k_scale)
+        out_scale = scale_factor(op, "v_scale", v_scale)
+        sinks = sink_logits(op, sinks, info["num_qo_heads"], q.device)
+        out = torch.empty(q.shape, dtype=info["o_dtype"], device=q.device) if out is None else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
         for name, t in (("out", out), ("lse", lse)):
             check_tensor(op, name, t)
+        if out.dtype != info["o_dtype"]:
+            raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
+        args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale)
         if _backend.use_reference(q.device):
-            check_batch_attention(op, q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], info["sm_scale"])
-            o, s = _reference(q, k, v, info["kv_indices"], self._workspace, info["sm_scale"])
-            out.copy_(o)
-            lse.copy_(s)
+            _batch_attention_cpu(*args)
         else:
-            _ops.batch_attention(q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], info["sm_scale"])
+            _ops.batch_attention(*args)
         return out, lse
 
 
-def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale):
+def scale_factor(op, name, value):
+    """FlashInfer's q_scale / k_scale / v_scale: None (1) or a finite number."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be None or a finite number (per-tensor scales are not supported by "
+                         f"flashkern), got {value!r}")
+    return float(value)
+
+
+def sink_logits(op, sinks, num_qo_heads, device):
+    """sinks: None, or a floating tensor [num_qo_heads] on q's device, as float32 (no copy if it is)."""
+    if sinks is None:
+        return None
+    check_tensor(op, "sinks", sinks)
+    if not sinks.is_floating_point() or tuple(sinks.shape) != (num_qo_heads,) or sinks.device != device:
+        raise ValueError(f"{op}: sinks must be a floating tensor of shape ({num_qo_heads},) (one logit per q head) on "
+                         f"{device}, got {sinks.dtype} of shape {tuple(sinks.shape)} on {sinks.device}")
+    return sinks.to(torch.float32).contiguous()
+
+
+def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None, out_scale=1.0):
     """ref.batch_attention on the plan and the partial-state buffers of a workspace."""
     batch, heads, head_dim = q.shape
     int_words, _, slots, s_at, v_at = _C.workspace_layout(workspace.numel(), batch, heads, head_dim)
     partial_s = workspace[s_at : s_at + 4 * slots * heads].view(torch.float32).view(slots, heads)
     partial_v = workspace[v_at : v_at + 4 * slots * heads * head_dim].view(torch.float32).view(slots, heads, head_dim)
     words = workspace[: 4 * int_words].view(torch.int32)
-    return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale)
+    return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks, out_scale)
 
 
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 
 @_backend.register_cpu("batch_attention")
-def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
-    check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale)
-    o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale)
+def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
+                         out_scale=1.0):
+    check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
+                          sinks, out_scale)
+    o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks, out_scale)
     out.copy_(o)
     lse.copy_(s)
 
@@ -258,6 +354,7 @@ def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, g
 
 
 @torch.library.register_fake("flashkern::batch_attention")
-def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale):
+def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
+                          out_scale=1.0):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          addresses=False)
+                          sinks, out_scale, addresses=False)

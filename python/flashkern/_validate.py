@@ -207,12 +207,14 @@ def check_aligned(op, name, t, alignment):
         raise ValueError(f"{op}: {name} must start on a {alignment}-byte boundary")
 
 
-def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, addresses=True):
+def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
+                          out_scale=1.0, addresses=True):
     """torch.ops.flashkern.batch_attention's arguments: q [batch, qo_heads, D], k_cache and v_cache
     [pages, page_size, kv_heads, D] (any strides, D contiguous), kv_indices a list of 1-D int32
-    tensors, a uint8 workspace, out [batch, qo_heads, D] and lse [batch, qo_heads] float32, both
-    contiguous, grid four non-negative ints, a finite sm_scale. addresses=False (fake tensors, which
-    have none): skip the alignment of workspace and out."""
+    tensors, a uint8 workspace, out [batch, qo_heads, D] (float16 or bfloat16) and lse [batch,
+    qo_heads] float32, both contiguous, grid four non-negative ints, a finite sm_scale, sinks None or
+    [qo_heads] float32, a finite out_scale. addresses=False (fake tensors, which have none): skip
+    the alignment of workspace and out."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("workspace", workspace), ("out", out),
                     ("lse", lse)):
         check_tensor(op, name, t)
@@ -246,8 +248,10 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         raise ValueError(f"{op}: workspace must be a contiguous 1-D uint8 tensor on {q.device}")
     if addresses:
         check_aligned(op, "workspace", workspace, 16)
-    if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or not out.is_contiguous() or out.device != q.device:
-        raise ValueError(f"{op}: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    if out.dtype not in ATTENTION_DTYPES or tuple(out.shape) != tuple(q.shape) or not out.is_contiguous() or \
+            out.device != q.device:
+        raise ValueError(f"{op}: out must be a contiguous float16 or bfloat16 tensor of shape {tuple(q.shape)} on "
+                         f"{q.device}")
     if addresses:
         check_aligned(op, "out", out, 16)
     if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]) or not lse.is_contiguous() or lse.device != q.device:
@@ -256,3 +260,10 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         raise ValueError(f"{op}: grid must be four non-negative block counts, got {list(grid)}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"{op}: sm_scale must be finite, got {sm_scale}")
+    if not math.isfinite(out_scale):
+        raise ValueError(f"{op}: out_scale must be finite, got {out_scale}")
+    if sinks is not None:
+        check_tensor(op, "sinks", sinks)
+        if sinks.dtype != torch.float32 or tuple(sinks.shape) != (q.shape[1],) or not sinks.is_contiguous() or \
+                sinks.device != q.device:
+            raise ValueError(f"{op}: sinks must be a contiguous float32 tensor of shape ({q.shape[1]},) on {q.device}")

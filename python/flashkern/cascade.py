@@ -58,8 +58,8 @@ class MultiLevelCascadeAttentionWrapper:
     def is_cuda_graph_enabled(self):
         return self._core.is_cuda_graph_enabled
 
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None):
-        """Use a new workspace (flashkern has one; ``int_workspace_buffer`` is accepted and unused).
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffers=None):
+        """Use a new workspace (flashkern has one; ``int_workspace_buffers`` is accepted and unused).
         The plan lives in the workspace: call plan() again before run()."""
         self._core.reset_workspace("MultiLevelCascadeAttentionWrapper.reset_workspace_buffer", float_workspace_buffer)
 
@@ -103,10 +103,12 @@ class MultiLevelCascadeAttentionWrapper:
 
     begin_forward = plan
 
-    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False):
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, *, sinks=None):
         """q ``[batch, num_qo_heads, head_dim]`` -> out (q's dtype), and lse ``[batch, num_qo_heads]``
-        float32 (natural log) with ``return_lse``."""
-        out, lse = self._core._run("MultiLevelCascadeAttentionWrapper.run", q, paged_kv_cache, out, lse)
+        float32 (natural log) with ``return_lse``. ``sinks`` ``[num_qo_heads]``: one more logit per
+        head, of value zero, in each query's softmax over all its levels (as in
+        BatchDecodeWithPagedKVCacheWrapper.run); lse includes it."""
+        out, lse = self._core._run("MultiLevelCascadeAttentionWrapper.run", q, paged_kv_cache, out, lse, sinks)
         return (out, lse) if return_lse else out
 
     forward = run

@@ -14,6 +14,7 @@ from ._paged_attention import (
     attention_dtype,
     check_buffer,
     check_kv_layout,
+    csr_page_table,
     fill_buffer,
     host_int32,
     reject_unsupported,
@@ -81,15 +82,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
              q_len_per_req=1, *, window_right=0):
         """Plan decode for a batch of ``len(indptr) - 1`` requests (see the class docstring).
         All host work happens here; a bad page table raises ValueError or TypeError now, not in run().
-        FlashInfer's parameters, in its order: ``data_type`` (the old name) fills only a dtype left as
-        None; ``disable_split_kv`` gives each request one block of work (no split, no merge);
-        ``fixed_split_size`` splits every request into chunks of that many pages (rounded up to 64
-        tokens; longer if the workspace cannot hold the pieces) whatever the device, so results do
-        not depend on the batch. ``o_data_type`` must be q's dtype; ``block_tables``, ``seq_lens``,
-        ``q_len_per_req`` > 1 and ``window_right`` != 0 are not supported yet (ValueError)."""
+        FlashInfer's parameters, in its order:
+
+        - ``data_type`` (the old name) fills only a dtype left as None; ``o_data_type`` (float16 or
+          bfloat16, either for either input) is the output's dtype, q's by default.
+        - ``q_len_per_req``: each request has that many query tokens, its last ones (speculative
+          verification, MTP): q is ``[batch * q_len_per_req, num_qo_heads, head_dim]``, request b's
+          tokens at rows ``b * q_len_per_req ...``, and token i of a request of ``kv_len`` tokens sees
+          the tokens ``j <= kv_len - q_len_per_req + i`` (causal). A token that sees none (kv_len <
+          q_len_per_req) gets 0 and LSE -inf.
+        - ``seq_lens`` ``[batch]`` and ``block_tables`` ``[batch, max_pages]`` (int32): the page table
+          in its fixed-width form, turned into CSR here; ``indptr``, ``indices`` and ``last_page_len``
+          may then be None, and if given must describe the same pages (ValueError otherwise).
+        - ``disable_split_kv`` gives each request one block of work (no split, no merge);
+          ``fixed_split_size`` splits every request into chunks of that many pages (rounded up to 64
+          tokens; longer if the workspace cannot hold the pieces) whatever the device, so results do
+          not depend on the batch.
+        - ``window_right`` != 0 is not supported (ValueError), nor are the options rejected in
+          ``reject_unsupported`` at other than their defaults."""
         op = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        reject_unsupported(op, block_tables=block_tables, seq_lens=seq_lens, q_len_per_req=q_len_per_req,
-                           window_right=window_right)
+        reject_unsupported(op, window_right=window_right)
+        if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
+            raise ValueError(f"{op}: q_len_per_req must be a positive int, got {q_len_per_req!r}")
         if disable_split_kv not in (False, True):
             raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
         split_tokens = MAX_KV_LENGTH if disable_split_kv else None
@@ -97,15 +111,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool) or fixed_split_size < 1:
                 raise ValueError(f"{op}: fixed_split_size must be a positive int (pages), got {fixed_split_size!r}")
             split_tokens = min(fixed_split_size * page_size, MAX_KV_LENGTH) if isinstance(page_size, int) else None
+        if block_tables is not None or seq_lens is not None:
+            indptr, indices, last_page_len = csr_page_table(op, indptr, indices, last_page_len, block_tables,
+                                                            seq_lens, page_size)
         self._plan(op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                    pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale,
-                   rope_scale, rope_theta, o_data_type, split_tokens)
+                   rope_scale, rope_theta, o_data_type, split_tokens, q_len_per_req)
 
     begin_forward = plan
 
     def _plan(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
               pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None,
-              data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, o_data_type=None, split_tokens=None):
+              data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, o_data_type=None, split_tokens=None,
+              q_len_per_req=1):
         """plan(), its errors under the name of the function the caller called."""
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
@@ -116,8 +134,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_dtype is None:
             raise TypeError(f"{op}: q_data_type must be torch.float16 or torch.bfloat16, got None")
         kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
-        if attention_dtype(op, "o_data_type", o_data_type, default=q_dtype) != q_dtype:
-            raise ValueError(f"{op}: o_data_type other than q_data_type ({q_dtype}) is not supported by flashkern yet")
+        o_dtype = attention_dtype(op, "o_data_type", o_data_type, default=q_dtype)
         check_tensor(op, "indptr", indptr)
         if indptr.dim() != 1 or indptr.shape[0] < 1:
             raise ValueError(f"{op}: indptr must be 1-D with batch_size + 1 entries, got shape {tuple(indptr.shape)}")
@@ -126,40 +143,67 @@ class BatchDecodeWithPagedKVCacheWrapper:
         last_h = host_int32(op, "last_page_len", last_page_len, batch)
         indices_h = host_int32(op, "indices", indices)
         indices_d = self._device_indices(op, indices, indptr, last_page_len, batch)
-        self._core._plan(op, [(None, indptr_h, indices_h, last_h)], [indices_d], batch, num_qo_heads, num_kv_heads,
-                         head_dim, page_size, sm_scale, q_dtype, kv_dtype,
+        # request b's queries: rows b * q_len_per_req ... of q (None: one query a request)
+        qo_h = None if q_len_per_req == 1 else torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req
+        self._core._plan(op, [(qo_h, indptr_h, indices_h, last_h)], [indices_d], batch * q_len_per_req, num_qo_heads,
+                         num_kv_heads, head_dim, page_size, sm_scale, q_dtype, kv_dtype,
                          ("qo_indptr", "indptr", "indices", "last_page_len"), False,
-                         {_C.attention_kind(1, num_qo_heads // max(num_kv_heads, 1))},  # every request: one query
-                         split_tokens)
+                         {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1))},
+                         split_tokens, o_dtype, causal=q_len_per_req > 1)
+        self._q_len_per_req = q_len_per_req
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
             skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
-        """Decode: q ``[batch, num_qo_heads, head_dim]`` -> out ``[batch, num_qo_heads, head_dim]``
-        (q's dtype), and with ``return_lse`` also lse ``[batch, num_qo_heads]`` float32, the
-        natural-log sum-exp of the scaled logits. ``out`` / ``lse`` may be given (contiguous).
-        FlashInfer's keywords: ``enable_pdl`` is accepted and ignored (no PDL yet); ``window_left``
-        must be None or the plan's -1; ``sinks``, ``q_len_per_req`` > 1, the fp8 scales,
-        ``skip_softmax_threshold_scale_factor`` and ``kv_cache_sf`` are not supported yet (ValueError)."""
+        """Decode: q ``[batch * q_len_per_req, num_qo_heads, head_dim]`` -> out of that shape (the
+        plan's o_data_type), and with ``return_lse`` also lse ``[batch * q_len_per_req,
+        num_qo_heads]`` float32, the natural-log sum-exp of the scaled logits. ``out`` / ``lse`` may be
+        given (contiguous). FlashInfer's keywords:
+
+        - ``sinks`` ``[num_qo_heads]``: head h's softmax gets one more logit, ``sinks[h]`` (not scaled
+          by sm_scale), whose value is zero (GPT-OSS); lse then includes it: ``log(exp(sinks[h]) +
+          sum_j exp(logit_j))``.
+        - ``q_scale`` and ``k_scale`` (numbers) multiply sm_scale, ``v_scale`` the output.
+        - ``q_len_per_req``: None or the planned value; ``window_left``: None or the plan's -1.
+        - ``enable_pdl`` is accepted and ignored (no PDL yet); ``skip_softmax_threshold_scale_factor``
+          and ``kv_cache_sf`` are not supported (ValueError)."""
         op = "BatchDecodeWithPagedKVCacheWrapper.run"
         if args:
             raise ValueError(f"{op}: extra positional arguments (custom-kernel arguments in FlashInfer) are not "
                              f"supported by flashkern, got {len(args)}")
         check_enable_pdl(op, enable_pdl)
-        reject_unsupported(op, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                           q_len_per_req=1 if q_len_per_req is None else q_len_per_req,
-                           skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+        reject_unsupported(op, skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                            kv_cache_sf=kv_cache_sf, window_left=-1 if window_left is None else window_left)
-        out, lse = self._core._run(op, q, paged_kv_cache, out, lse)
+        planned = getattr(self, "_q_len_per_req", 1)
+        if q_len_per_req is not None and q_len_per_req != planned:
+            raise ValueError(f"{op}: q_len_per_req={q_len_per_req!r} differs from the plan's {planned}; "
+                             "plan again with it")
+        out, lse = self._core._run(op, q, paged_kv_cache, out, lse, sinks, q_scale, k_scale, v_scale)
         return (out, lse) if return_lse else out
 
-    forward = run
+    run_return_lse = functools.partialmethod(run, return_lse=True)
 
-    def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
-        """run(..., return_lse=True): (out, lse)."""
-        return self.run(q, paged_kv_cache, *args, **{**kwargs, "return_lse": True})
+    def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None, v_scale=None,
+                window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None):
+        """FlashInfer's deprecated run(), with the options it took then: out. ``sm_scale``, when
+        given, replaces the plan's for this call; the others as in plan() and run()."""
+        return self._forward("BatchDecodeWithPagedKVCacheWrapper.forward", q, paged_kv_cache, pos_encoding_mode,
+                             q_scale, k_scale, v_scale, window_left, logits_soft_cap, sm_scale, rope_scale,
+                             rope_theta)[0]
 
-    forward_return_lse = run_return_lse
+    def forward_return_lse(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None,
+                           v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+                           rope_theta=None):
+        """forward(), returning (out, lse)."""
+        return self._forward("BatchDecodeWithPagedKVCacheWrapper.forward_return_lse", q, paged_kv_cache,
+                             pos_encoding_mode, q_scale, k_scale, v_scale, window_left, logits_soft_cap, sm_scale,
+                             rope_scale, rope_theta)
+
+    def _forward(self, op, q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
+                 logits_soft_cap, sm_scale, rope_scale, rope_theta):
+        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self._core._run(op, q, paged_kv_cache, None, None, None, q_scale, k_scale, v_scale, sm_scale)
 
     def _device_indices(self, op, indices, indptr, last_page_len, batch):
         """kv_indices where the kernels read them: the fixed buffer under CUDA graphs (filled here)."""
@@ -178,17 +222,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
                                 q_scale=None, k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None,
-                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False):
+                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, *, sinks=None):
     """Decode attention of one request: q ``[num_qo_heads, head_dim]``, k and v ``[kv_len,
     num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND) -> out
     ``[num_qo_heads, head_dim]`` (and lse ``[num_qo_heads]``, natural log, with ``return_lse``).
+    ``sinks`` and the scales: as in BatchDecodeWithPagedKVCacheWrapper.run.
 
     The plan for a shape is made once and kept (a few per device), so after one eager call with a
     shape, calls with that shape can be captured in a CUDA graph."""
     op = "single_decode_with_kv_cache"
     reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
     check_kv_layout(op, kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t)
@@ -210,7 +254,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     wrapper = _single_plan(q.device, q.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
                            None if sm_scale is None else float(sm_scale))
     # the whole sequence as one page of kv_len tokens
-    out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None)
+    out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None, sinks, q_scale, k_scale, v_scale)
     return (out[0], lse[0]) if return_lse else out[0]
 
 

@@ -16,6 +16,12 @@ _ops = torch.ops.flashkern
 _inv_freq_cache = {}
 
 
+def check_backend(op, backend):
+    """FlashInfer's backend (which of its implementations runs): accepted, as flashkern has one."""
+    if not isinstance(backend, str):
+        raise TypeError(f"{op}: backend must be a str, got {backend!r}")
+
+
 def _inv_freq(op, head_dim, rotary_dim, rope_theta, rope_scale, llama31, device):
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
@@ -67,30 +73,38 @@ def _rope(op, q, k, positions, freqs, interleave, inplace):
     return _ops.rope(q, k, positions, freqs, interleave, False)
 
 
-def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4):
+def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4,
+                       backend="cuda"):
     """RoPE of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] at positions pos_ids [tokens]
     (int32 or int64): pairs (i, i + rotary_dim/2) (NeoX) or, with interleave, (2i, 2i+1) (GPT-J) turn by
     float32(pos / rope_scale) * rope_theta^(-2i/rotary_dim); dimensions past rotary_dim are copied.
     Returns (q_rope, k_rope); differentiable in q and k."""
+    check_backend("apply_rope_pos_ids", backend)
     inv_freq = _inv_freq("apply_rope_pos_ids", q.shape[-1], rotary_dim, rope_theta, rope_scale, None, q.device)
     return _rope("apply_rope_pos_ids", q, k, pos_ids, inv_freq, interleave, inplace=False)
 
 
-def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4):
+def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
+                               rope_theta=1e4, backend="cuda"):
     """apply_rope_pos_ids, writing q and k in place."""
+    check_backend("apply_rope_pos_ids_inplace", backend)
     inv_freq = _inv_freq("apply_rope_pos_ids_inplace", q.shape[-1], rotary_dim, rope_theta, rope_scale, None, q.device)
     _rope("apply_rope_pos_ids_inplace", q, k, pos_ids, inv_freq, interleave, inplace=True)
 
 
-def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4):
+def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4,
+               backend="cuda"):
     """apply_rope_pos_ids for a ragged batch: request b owns tokens indptr[b]:indptr[b+1], at positions
     offsets[b], offsets[b] + 1, ..."""
+    check_backend("apply_rope", backend)
     positions = _positions("apply_rope", q, indptr, offsets)
     return apply_rope_pos_ids(q, k, positions, rotary_dim, interleave, rope_scale, rope_theta)
 
 
-def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4):
+def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
+                       rope_theta=1e4, backend="cuda"):
     """apply_rope, writing q and k in place."""
+    check_backend("apply_rope_inplace", backend)
     positions = _positions("apply_rope_inplace", q, indptr, offsets)
     apply_rope_pos_ids_inplace(q, k, positions, rotary_dim, interleave, rope_scale, rope_theta)
 
@@ -103,33 +117,39 @@ def _llama31(op, q, rotary_dim, rope_scale, rope_theta, low_freq_factor, high_fr
 
 
 def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0, rope_theta=5e5,
-                               low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
+                               low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192, backend="cuda"):
     """apply_rope_pos_ids with Llama 3.1's frequencies: long wavelengths divided by rope_scale, short ones
     kept, a smooth ramp between (Hugging Face's rope_type "llama3")."""
+    check_backend("apply_llama31_rope_pos_ids", backend)
     inv_freq = _llama31("apply_llama31_rope_pos_ids", q, rotary_dim, rope_scale, rope_theta, low_freq_factor,
                         high_freq_factor, old_context_len)
     return _rope("apply_llama31_rope_pos_ids", q, k, pos_ids, inv_freq, interleave, inplace=False)
 
 
 def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0,
-                                       rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
+                                       rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       old_context_len=8192, backend="cuda"):
     """apply_llama31_rope_pos_ids, writing q and k in place."""
+    check_backend("apply_llama31_rope_pos_ids_inplace", backend)
     inv_freq = _llama31("apply_llama31_rope_pos_ids_inplace", q, rotary_dim, rope_scale, rope_theta, low_freq_factor,
                         high_freq_factor, old_context_len)
     _rope("apply_llama31_rope_pos_ids_inplace", q, k, pos_ids, inv_freq, interleave, inplace=True)
 
 
 def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0, rope_theta=5e5,
-                       low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
+                       low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192, backend="cuda"):
     """apply_llama31_rope_pos_ids for a ragged batch (see apply_rope)."""
+    check_backend("apply_llama31_rope", backend)
     positions = _positions("apply_llama31_rope", q, indptr, offsets)
     return apply_llama31_rope_pos_ids(q, k, positions, rotary_dim, interleave, rope_scale, rope_theta,
                                       low_freq_factor, high_freq_factor, old_context_len)
 
 
 def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0,
-                               rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
+                               rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+                               old_context_len=8192, backend="cuda"):
     """apply_llama31_rope, writing q and k in place."""
+    check_backend("apply_llama31_rope_inplace", backend)
     positions = _positions("apply_llama31_rope_inplace", q, indptr, offsets)
     apply_llama31_rope_pos_ids_inplace(q, k, positions, rotary_dim, interleave, rope_scale, rope_theta,
                                        low_freq_factor, high_freq_factor, old_context_len)
@@ -146,18 +166,21 @@ def _as_heads(op, name, t, head_size):
     )
 
 
-def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True, backend="cuda"):
     """vLLM/SGLang's rotary embedding: query [tokens, q_heads * head_size] (or 3-D), key likewise,
     cos_sin_cache [max_position, rotary_dim] float32 holding cos then sin. Returns (query, key) rotated,
     in their input shapes. is_neox=False rotates interleaved pairs (GPT-J)."""
+    check_backend("apply_rope_with_cos_sin_cache", backend)
     op = "apply_rope_with_cos_sin_cache"
     q, k = _as_heads(op, "query", query, head_size), _as_heads(op, "key", key, head_size)
     q_out, k_out = _rope(op, q, k, positions, cos_sin_cache, not is_neox, inplace=False)
     return q_out.view(query.shape), k_out.view(key.shape)
 
 
-def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True,
+                                          backend="cuda"):
     """apply_rope_with_cos_sin_cache, writing query and key in place."""
+    check_backend("apply_rope_with_cos_sin_cache_inplace", backend)
     op = "apply_rope_with_cos_sin_cache_inplace"
     q, k = _as_heads(op, "query", query, head_size), _as_heads(op, "key", key, head_size)
     _rope(op, q, k, positions, cos_sin_cache, not is_neox, inplace=True)

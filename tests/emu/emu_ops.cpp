@@ -106,7 +106,8 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
                                 const void* v_cache, const int64_t* kv_strides, int64_t num_pages,
                                 const int32_t* const* kv_indices, const int32_t* kv_indices_len, int levels,
                                 const int32_t* plan, float* partial_s, float* partial_v, const int* grid, int batch,
-                                int qo_heads, int kv_heads, int head_dim, int page_size, float sm_scale, int dtype) {
+                                int qo_heads, int kv_heads, int head_dim, int page_size, float sm_scale, int dtype,
+                                const float* sinks, float out_scale, int out_dtype) {
   fk::BatchAttentionParams p{};
   p.out = out, p.lse = lse, p.q = q, p.k_cache = k_cache, p.v_cache = v_cache;
   p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1];
@@ -118,6 +119,7 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   p.batch = batch, p.qo_heads = qo_heads, p.kv_heads = kv_heads, p.head_dim = head_dim, p.page_size = page_size;
   p.page_div = fk::Divmod(uint32_t(page_size));
   p.sm_scale = sm_scale, p.dtype = DType(dtype);
+  p.sinks = sinks, p.out_scale = out_scale, p.out_dtype = DType(out_dtype);
   return fk::launch_batch_attention(p, nullptr);
 }
 

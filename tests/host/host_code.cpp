@@ -80,6 +80,21 @@ void fk_merge_weights(const float* s_a, const float* s_b, float* out, int64_t n)
   }
 }
 
+// out: (scale, lse) per state s and sink logit, with out_scale
+void fk_final_state(const float* s, const float* sink, float out_scale, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const fk::FinalState f = fk::final_state(s[i], sink[i], out_scale);
+    out[2 * i] = f.scale, out[2 * i + 1] = f.lse;
+  }
+}
+
+// out: visible_end of each query i of an item (kv_begin, kv_end, diagonal)
+void fk_visible_end(int32_t kv_begin, int32_t kv_end, int32_t diagonal, const int32_t* i, int32_t* out, int64_t n) {
+  fk::AttentionWorkItem item{};
+  item.kv_begin = kv_begin, item.kv_end = kv_end, item.diagonal = diagonal;
+  for (int64_t j = 0; j < n; ++j) out[j] = fk::visible_end(item, i[j]);
+}
+
 // q, r: n / d and n % d for every n
 void fk_divmod(uint32_t d, const uint32_t* n, uint32_t* q, uint32_t* r, int64_t count) {
   const fk::Divmod div(d);

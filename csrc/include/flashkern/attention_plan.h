@@ -27,6 +27,7 @@ struct PlanLevel {
   const int32_t* last_page_len;  // [groups]
   int64_t groups;
   int64_t num_indices;  // entries of this level's kv_indices
+  bool causal;          // a group's n queries are its last n tokens, each seeing the tokens up to itself
 };
 
 struct PlanShape {
@@ -57,7 +58,7 @@ inline constexpr int64_t kMaxKvLength = int64_t(1) << 30;
 namespace plan_detail {
 
 struct Entry {  // a group with queries and KV at one level
-  int32_t level, q_begin, n_q, page_begin;
+  int32_t level, q_begin, n_q, page_begin, diagonal;
   int64_t length;
   AttentionKind kind;
   int64_t row_tiles;
@@ -127,7 +128,8 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
       if (length == 0 || q1 == q0) continue;  // nothing to attend to, or nobody attending: no state
       const AttentionKind kind = attention_kind(q1 - q0, s.group_size);
       const int64_t rows = (q1 - q0) * s.group_size, tile = kind_rows(kind);
-      entries.push_back({int32_t(l), int32_t(q0), int32_t(q1 - q0), int32_t(p0), length, kind,
+      const int32_t diagonal = lv.causal ? int32_t(length - (q1 - q0)) : kNoDiagonal;
+      entries.push_back({int32_t(l), int32_t(q0), int32_t(q1 - q0), int32_t(p0), diagonal, length, kind,
                          kind == AttentionKind::tile64 ? (rows + tile - 1) / tile : 1});
     }
   }
@@ -184,7 +186,7 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
       const int32_t kv_begin = int32_t(c * chunk), kv_end = int32_t(std::min(e.length, (c + 1) * chunk));
       for (int64_t t = 0; t < e.row_tiles; ++t)
         by_kind[int(e.kind)].push_back({e.level, e.q_begin, e.n_q, int32_t(t * kind_rows(e.kind)), e.page_begin,
-                                        kv_begin, kv_end, next_slot});
+                                        kv_begin, kv_end, next_slot, e.diagonal, {0, 0, 0}});
       for (int32_t q = 0; q < e.n_q; ++q) ++per_query[e.q_begin + q + 1];
       next_slot += e.n_q;
     }

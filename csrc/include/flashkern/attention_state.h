@@ -49,4 +49,17 @@ FK_HOST_DEVICE float softmax_rescale(float& m, float tile_max) {
 // The natural-log sum-exp of a base-2 state; an empty one (l = 0) is -inf, a NaN stays NaN.
 FK_HOST_DEVICE float state_lse(float m, float l) { return l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2; }
 
+// The end of a query's attention: its state (v, s) over all its keys merged with its head's sink, a
+// key of logit `sink` (already scaled, natural log: -inf for none) whose value is zero, as GPT-OSS and
+// FlashInfer define sinks; out = v * scale, and lse = log(exp(s) + exp(sink)) includes the sink.
+// out_scale multiplies every output (FlashInfer's v_scale).
+struct FinalState {
+  float scale, lse;
+};
+FK_HOST_DEVICE FinalState final_state(float s, float sink, float out_scale) {
+  if (sink == -INFINITY) return {out_scale, s};
+  const MergeWeights w = merge_weights(s, sink);
+  return {w.a * out_scale, w.s};
+}
+
 }  // namespace fk

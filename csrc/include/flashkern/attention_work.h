@@ -30,6 +30,7 @@ enum class AttentionKind : int32_t {
 inline constexpr int kAttentionKinds = 3;
 inline constexpr int kDecodeMaxGroup = 4;
 inline constexpr int kMaxLevels = 8;  // cascade levels: kv_indices pointers travel in the params
+inline constexpr int32_t kNoDiagonal = int32_t(1) << 30;  // above every token index: no causal limit
 
 FK_HOST_DEVICE int kind_rows(AttentionKind kind) {
   return kind == AttentionKind::tile64 ? 64 : kind == AttentionKind::tile16 ? 16 : kDecodeMaxGroup;
@@ -50,9 +51,18 @@ struct AttentionWorkItem {
   int32_t kv_begin;       // this chunk's tokens: [kv_begin, kv_end) of the group's sequence
   int32_t kv_end;
   int32_t slot_begin;     // the state slot of the group's first query for this chunk
+  int32_t diagonal;       // causal: the group's query i sees tokens j <= i + diagonal; else kNoDiagonal
+  int32_t unused[3];      // 16-byte items: the kernels load them as int4
 };
-static_assert(sizeof(AttentionWorkItem) == 32, "items are copied to the device as int32 words");
-inline constexpr int kItemWords = 8;
+static_assert(sizeof(AttentionWorkItem) == 48, "items are copied to the device as int32 words");
+inline constexpr int kItemWords = 12;
+
+// The end of the tokens a row of query i (of the item's group) may see in the item's chunk:
+// causally, the group's queries are its last tokens, so query i sees up to token i + diagonal.
+FK_HOST_DEVICE int32_t visible_end(const AttentionWorkItem& item, int32_t i) {
+  const int64_t end = int64_t(i) + item.diagonal + 1;
+  return end < item.kv_end ? int32_t(end) : item.kv_end;
+}
 
 // The int32 words at the start of the workspace.
 struct PlanHeader {

@@ -123,9 +123,11 @@ struct MergeStatesParams {
 
 // Attention over a paged KV cache, as planned in the workspace (attention_work.h): per query t
 // and q head h, softmax(q[t, h] . K^T * sm_scale) V over the KV of every group that t belongs
-// to, with lse = the natural-log sum-exp of the scaled logits. K and V of KV head h / group_size.
+// to (causal groups: the tokens up to t's diagonal), with lse = the natural-log sum-exp of the
+// scaled logits. K and V of KV head h / group_size. With sinks, head h's softmax has one more
+// logit, sinks[h], whose value is zero (attention_state.h: final_state); out is scaled by out_scale.
 struct BatchAttentionParams {
-  void* out;                     // [batch, qo_heads, head_dim] dtype, contiguous
+  void* out;                     // [batch, qo_heads, head_dim] out_dtype, contiguous
   float* lse;                    // [batch, qo_heads], contiguous
   const void* q;                 // [batch, qo_heads, head_dim] dtype, 16-byte aligned rows
   int64_t q_strides[2];          // batch, head (elements)
@@ -142,8 +144,11 @@ struct BatchAttentionParams {
   int grid[4];                   // blocks for the decode, tile16 and tile64 kernels; the merge: 0 or 1
   int batch, qo_heads, kv_heads, head_dim, page_size;
   Divmod page_div;               // by page_size
+  const float* sinks;            // [qo_heads] sink logits, or nullptr
   float sm_scale;
-  DType dtype;                   // f16 or bf16
+  float out_scale;               // FlashInfer's v_scale: 1 for plain attention
+  DType dtype;                   // q and the cache: f16 or bf16
+  DType out_dtype;               // f16 or bf16 (o_data_type)
 };
 
 const char* launch_rmsnorm(const RmsnormParams& p, void* stream);

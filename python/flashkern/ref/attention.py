@@ -111,24 +111,36 @@ def cascade_decode(q, paged_kv_cache, qo_indptr_arr, kv_indptr_arr, kv_indices_a
 # ---- running a plan: what torch.ops.flashkern.batch_attention does, in torch ----
 
 KIND_ROWS = _C.KIND_ROWS  # rows of a work item per kind (attention_work.h: kind_rows)
+ITEM_WORDS = 12  # attention_work.h: kItemWords
 
 
 def read_plan(words):
     """A plan (the int32 words at the start of a workspace, attention_work.h) as Python lists:
-    (items per kind, merge_indptr, merge_indices). Reads the words back to the host."""
+    (items per kind, merge_indptr, merge_indices), an item being its first 9 words (level, q_begin,
+    n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin, diagonal). Reads the words back to the host."""
     w = words.cpu()
     header = w[:16].tolist()
     count, start, indptr_at, indices_at, slots, batch = header[0:3], header[3:6], header[6], header[7], header[8], header[9]
-    items = [w[start[k] : start[k] + 8 * count[k]].view(-1, 8).tolist() for k in range(3)]
+    items = [w[start[k] : start[k] + ITEM_WORDS * count[k]].view(-1, ITEM_WORDS)[:, :9].tolist() for k in range(3)]
     return items, w[indptr_at : indptr_at + batch + 1].tolist(), w[indices_at : indices_at + slots].tolist()
 
 
-def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale):
+def final_state(v, s, sinks, out_scale):
+    """A query's finished attention (attention_state.h: final_state): (v, s) [.., heads, D] / [.., heads]
+    merged with each head's sink, a key of logit sinks[h] whose value is zero, then v * out_scale."""
+    if sinks is not None:
+        sink = sinks.to(s.dtype).expand_as(s)
+        v, s = merge_state(v, s, torch.zeros_like(v), sink)
+    return v * out_scale, s
+
+
+def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks=None, out_scale=1.0):
     """The plan in `words` run with torch, item by item as the kernels run it: each item's state over
-    its KV chunk goes straight to (out, lse) for a query with one state and to its slot of
-    partial_s / partial_v otherwise; then each query's slots are merged. q [batch, qo_heads, D],
-    k_cache / v_cache [pages, page_size, kv_heads, D] -> (out, lse). A page index outside the
-    cache raises ValueError (the kernels write NaN for the query instead)."""
+    its KV chunk (causal groups: each query's tokens up to its diagonal) goes straight to (out, lse),
+    finished with the sinks and out_scale, for a query with one state, and to its slot of partial_s /
+    partial_v otherwise; then each query's slots are merged and finished. q [batch, qo_heads, D],
+    k_cache / v_cache [pages, page_size, kv_heads, D] -> (out, lse), in the compute dtype. A page
+    index outside the cache raises ValueError (the kernels write NaN for the query instead)."""
     batch, qo_heads, head_dim = q.shape
     num_pages, page_size, kv_heads = k_cache.shape[:3]
     group = qo_heads // kv_heads
@@ -139,7 +151,7 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
     lse = torch.full((batch, qo_heads), float("-inf"), dtype=c, device=q.device)
     kv_heads_of = torch.arange(kv_heads, device=q.device)
     for kind, kind_items in enumerate(items):
-        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin in kind_items:
+        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin, diagonal in kind_items:
             rows = torch.arange(row_begin, min(row_begin + KIND_ROWS[kind], n_q * group), device=q.device)
             t, head_in_group = q_begin + rows // group, rows % group
             pos = torch.arange(kv_begin, kv_end, device=q.device)
@@ -152,18 +164,25 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
             k, v = k_cache[pages, pos % page_size].to(c), v_cache[pages, pos % page_size].to(c)  # [n, kv_heads, D]
             heads = kv_heads_of[:, None] * group + head_in_group[None, :]  # [kv_heads, rows]: the q heads
             logits = torch.einsum("hrd,nhd->hrn", q[t[None, :], heads].to(c), k) * sm_scale
+            hidden = pos[None, :] > (rows // group)[:, None] + diagonal  # [rows, n]: past the row's diagonal
+            logits = logits.masked_fill(hidden[None], float("-inf"))
             s = torch.logsumexp(logits, dim=-1)
-            o = torch.einsum("hrn,nhd->hrd", torch.softmax(logits, dim=-1), v)
+            weights = torch.exp(logits - torch.where(s == float("-inf"), 0.0, s)[..., None])  # a row seeing nothing: 0
+            o = torch.einsum("hrn,nhd->hrd", weights, v)
             tt = t[None, :].expand_as(heads)
             direct = n_states[t.cpu()].to(q.device)[None, :].expand_as(heads) == 1
+            if sinks is not None or out_scale != 1.0:
+                fo, fs = final_state(o, s, None if sinks is None else sinks.to(q.device)[heads], out_scale)
+                o, s = torch.where(direct[..., None], fo, o), torch.where(direct, fs, s)
             out[tt[direct], heads[direct]] = o[direct]
             lse[tt[direct], heads[direct]] = s[direct]
             slot = (slot_begin + tt - q_begin)[~direct]
             partial_v[slot, heads[~direct]] = o[~direct].float()
             partial_s[slot, heads[~direct]] = s[~direct].float()
     for t in range(batch):
-        if n_states[t] > 1:
-            slots = torch.tensor(merge_indices[indptr[t] : indptr[t + 1]], device=q.device)
-            v, s = merge_states(partial_v[slots][None].to(c), partial_s[slots][None].to(c))
-            out[t], lse[t] = v[0], s[0]
-    return out.to(q.dtype), lse.float()
+        if n_states[t] != 1:  # no state (0, -inf) or several to merge
+            slots = torch.tensor(merge_indices[indptr[t] : indptr[t + 1]], dtype=torch.long, device=q.device)
+            v, s = (out[t], lse[t]) if not slots.numel() else \
+                (x[0] for x in merge_states(partial_v[slots][None].to(c), partial_s[slots][None].to(c)))
+            out[t], lse[t] = final_state(v, s, sinks, out_scale)
+    return out, lse

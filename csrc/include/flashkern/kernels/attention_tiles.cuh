@@ -33,8 +33,8 @@ FK_DEVICE int32_t level_entries(const BatchAttentionParams& p, int level) {  // 
 
 FK_DEVICE AttentionWorkItem load_item(const BatchAttentionParams& p, AttentionKind kind, int i) {
   const int4* w = reinterpret_cast<const int4*>(p.plan + plan_header(p).items[int(kind)] + kItemWords * i);
-  const int4 a = w[0], b = w[1];
-  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  const int4 a = w[0], b = w[1], c = w[2];
+  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, {0, 0, 0}};
 }
 
 // Offset of element d of row `row` in a [rows, kHeadDim] tile of 16-bit values in shared memory.
@@ -144,43 +144,68 @@ struct KVPipeline {
   }
 };
 
-// Where one (query, q head) state goes: out / lse when it is the query's only state, else its
-// slot of the partial states, which the merge kernel combines.
-template <typename T>
+// Stores x[0..N) at out + at as O: a pair (4 bytes) or a 16-byte vector.
+template <typename O, int N>
+FK_DEVICE void store_as(void* out, int64_t at, const float (&x)[N]) {
+  static_assert(N == 2 || N == kVec16Bit, "pairs or 16-byte vectors");
+  Vec<O, N> y;
+#pragma unroll
+  for (int j = 0; j < N; ++j) y.set(j, x[j]);
+  if constexpr (N == 2) {
+    *reinterpret_cast<uint32_t*>(static_cast<O*>(out) + at) = y.w[0];
+  } else {
+    y.store(static_cast<O*>(out) + at);
+  }
+}
+// The output's dtype (o_data_type, f16 or bf16) is a run-time choice: a uniform branch at each store.
+template <int N>
+FK_DEVICE void store_output(void* out, DType dtype, int64_t at, const float (&x)[N]) {
+  if (dtype == DType::bf16) {
+    store_as<bf16_t>(out, at, x);
+  } else {
+    store_as<half_t>(out, at, x);
+  }
+}
+
+// Where one (query, q head) state goes: out / lse when it is the query's only state (finished
+// there: the head's sink and out_scale applied), else its slot of the partial states, which the
+// merge kernel combines and finishes.
 struct StateSink {
-  T* out;           // the row of out, or nullptr
+  void* out;        // out, or nullptr
+  int64_t out_at;   // the row's first element in out
+  DType out_dtype;
   float* partial;   // the row of partial_v, or nullptr
   float* lse;       // the lse or partial_s entry
+  float sink;       // the head's sink logit (-inf: none) and out_scale, for a finished state
+  float out_scale;
 
-  FK_DEVICE StateSink(const BatchAttentionParams& p, int t, int head, int slot) {
+  FK_DEVICE StateSink(const BatchAttentionParams& p, int t, int head, int slot)
+      : out(nullptr), out_at(0), out_dtype(p.out_dtype), partial(nullptr), sink(-INFINITY), out_scale(p.out_scale) {
     const int* indptr = p.plan + plan_header(p).merge_indptr;
     const int64_t row = int64_t(t) * p.qo_heads + head;
     if (indptr[t + 1] - indptr[t] == 1) {
-      out = static_cast<T*>(p.out) + row * p.head_dim;
-      partial = nullptr;
+      out = p.out;
+      out_at = row * p.head_dim;
       lse = p.lse + row;
+      if (p.sinks != nullptr) sink = p.sinks[head];
     } else {
       const int64_t srow = int64_t(slot) * p.qo_heads + head;
-      out = nullptr;
       partial = p.partial_v + srow * p.head_dim;
       lse = p.partial_s + srow;
     }
   }
+  // The factor for the normalized values of a state with natural-log sum-exp s, and the lse to store.
+  FK_DEVICE FinalState finish(float s) const { return out != nullptr ? final_state(s, sink, out_scale) : FinalState{1.f, s}; }
   FK_DEVICE void store2(int d, float a, float b) const {
     if (out != nullptr) {
-      Vec<T, 2> x;
-      x.set(0, a), x.set(1, b);
-      *reinterpret_cast<uint32_t*>(out + d) = x.w[0];
+      store_output(out, out_dtype, out_at + d, {a, b});
     } else {
       *reinterpret_cast<float2*>(partial + d) = make_float2(a, b);
     }
   }
   FK_DEVICE void store8(int d, const float (&x)[kVec16Bit]) const {
     if (out != nullptr) {
-      Vec<T, kVec16Bit> y;
-#pragma unroll
-      for (int j = 0; j < kVec16Bit; ++j) y.set(j, x[j]);
-      y.store(out + d);
+      store_output(out, out_dtype, out_at + d, x);
     } else {
       store16(partial + d, make_uint4(bit_cast<uint32_t>(x[0]), bit_cast<uint32_t>(x[1]), bit_cast<uint32_t>(x[2]),
                                       bit_cast<uint32_t>(x[3])));
@@ -195,7 +220,7 @@ struct StateSink {
 // groups that each saw part of the KV): part i of row r left o[i][r][:] (unnormalized, fp32) and
 // m[i][r], l[i][r] (base 2) in shared memory. The block merges them and writes each valid row
 // with `sink_of(r)`; poisoned, or a NaN in any part: NaN. Threads take (row, 8-dim chunk) pairs.
-template <typename T, int kHeadDim, typename SinkOf>
+template <int kHeadDim, typename SinkOf>
 FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float* l, int n, int rows_stride, int rows,
                                      bool poisoned, SinkOf sink_of) {
   constexpr int kChunks = kHeadDim / kVec16Bit;
@@ -215,12 +240,13 @@ FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float
 #pragma unroll
       for (int e = 0; e < kVec16Bit; ++e) acc[e] += w * src[e];
     }
-    const float inv = total == 0.f ? 0.f : 1.f / total;
+    const StateSink sink = sink_of(r);
+    const FinalState f = sink.finish(nan ? NAN : state_lse(m_max, total));
+    const float inv = total == 0.f ? 0.f : f.scale / total;
 #pragma unroll
     for (int e = 0; e < kVec16Bit; ++e) acc[e] = nan ? NAN : acc[e] * inv;
-    const StateSink<T> sink = sink_of(r);
     sink.store8(d, acc);
-    if (d == 0) sink.store_lse(nan ? NAN : state_lse(m_max, total));
+    if (d == 0) sink.store_lse(f.lse);
   }
 }
 

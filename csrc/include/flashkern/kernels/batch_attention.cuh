@@ -16,7 +16,8 @@ namespace fk {
 inline constexpr int kMergeBlock = 256;
 
 // Per (query, q head) with n != 1 states: s = log(sum_i exp(s_i)), v = sum_i exp(s_i - s) v_i over
-// its slots (natural log, fp32); no state: (0, -inf); a NaN state: NaN. head_dim / 8 threads a row.
+// its slots (natural log, fp32); no state: (0, -inf); a NaN state: NaN. Then the head's sink and
+// out_scale (final_state). head_dim / 8 threads a row.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttentionParams p) {
   constexpr int kLanes = kHeadDim / kVec16Bit, kRowsPerBlock = kMergeBlock / kLanes;
@@ -48,11 +49,13 @@ __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttent
 #pragma unroll
       for (int e = 0; e < kVec16Bit; ++e) acc[e] += w * x[e];
     }
-    Vec<T, kVec16Bit> out;
+    const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+    const FinalState fin = final_state(nan ? NAN : total == 0.f ? -INFINITY : m + logf(total), sink, p.out_scale);
+    const float inv = total == 0.f ? 0.f : fin.scale / total;
 #pragma unroll
-    for (int e = 0; e < kVec16Bit; ++e) out.set(e, nan ? NAN : total == 0.f ? 0.f : acc[e] / total);
-    out.store(static_cast<T*>(p.out) + row * kHeadDim + lane * kVec16Bit);
-    if (lane == 0) p.lse[row] = nan ? NAN : total == 0.f ? -INFINITY : m + logf(total);
+    for (int e = 0; e < kVec16Bit; ++e) acc[e] = nan ? NAN : acc[e] * inv;
+    store_output(p.out, p.out_dtype, row * kHeadDim + lane * kVec16Bit, acc);
+    if (lane == 0) p.lse[row] = fin.lse;
   }
 }
 

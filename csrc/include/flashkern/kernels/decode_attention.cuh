@@ -38,7 +38,8 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
   const float scale = p.sm_scale * kLog2e;
   const int count = plan_header(p).count[int(AttentionKind::decode)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
-    const AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
+    AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
+    item.kv_end = visible_end(item, 0);  // one query: causally, the group's last token, so the whole chunk
     const int t = item.q_begin;
     float q[kGroup][kVec16Bit], o[kGroup][kVec16Bit], m[kGroup], l[kGroup];
 #pragma unroll
@@ -123,8 +124,8 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
       if (lane == 0) m_parts[sub * kGroup + h] = m[h], l_parts[sub * kGroup + h] = l[h];
     }
     __syncthreads();
-    merge_parts_and_store<T, kHeadDim>(o_parts, m_parts, l_parts, S::kSubwarps, kGroup, kGroup, any_poisoned,
-                                       [&](int h) { return StateSink<T>(p, t, kv_head * kGroup + h, item.slot_begin); });
+    merge_parts_and_store<kHeadDim>(o_parts, m_parts, l_parts, S::kSubwarps, kGroup, kGroup, any_poisoned,
+                                       [&](int h) { return StateSink(p, t, kv_head * kGroup + h, item.slot_begin); });
     __syncthreads();  // the next item's copies overwrite the parts
   }
 }

@@ -50,9 +50,12 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   const float scale = p.sm_scale * kLog2e;
   const int count = plan_header(p).count[int(kKind)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
-    const AttentionWorkItem item = load_item(p, kKind, w);
+    AttentionWorkItem item = load_item(p, kKind, w);
     const int rows = kItemRows < item.n_q * group - item.row_begin ? kItemRows : item.n_q * group - item.row_begin;
     auto query_of = [&](int r) { return item.q_begin + (item.row_begin + r) / group; };
+    // causal: no row sees past its query's diagonal, so the chunk ends at the last row's (maybe before it starts)
+    const int32_t last_visible = visible_end(item, (item.row_begin + rows - 1) / group);
+    item.kv_end = last_visible > item.kv_begin ? last_visible : item.kv_begin;
     auto head_of = [&](int r) { return kv_head * group + (item.row_begin + r) % group; };
     for (int i = threadIdx.x; i < kItemRows * kChunks; i += S::kThreads) {  // q rows, zeros past the last
       const int r = i / kChunks, d = (i % kChunks) * kVec16Bit;
@@ -67,8 +70,12 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
 
     Warp tile(lane);
     float m[kSlots], l[kSlots];  // l: this lane's share until the end
+    int32_t end[kSlots];         // the tokens each row slot sees end here (the chunk's end, or causally before)
 #pragma unroll
-    for (int r = 0; r < kSlots; ++r) m[r] = -INFINITY, l[r] = 0.f;
+    for (int r = 0; r < kSlots; ++r) {
+      m[r] = -INFINITY, l[r] = 0.f;
+      end[r] = visible_end(item, (item.row_begin + wm * S::kWarpRows + tile.slot_row(r)) / group);
+    }
     for (int it = 0; it < tiles_n; ++it) {
       if constexpr (S::kStages > 1) {
         cp_async_wait<S::kStages - 2>();
@@ -91,7 +98,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
       for (int f = 0; f < Warp::kSF; ++f)
 #pragma unroll
         for (int e = 0; e < Warp::kSE; ++e) {
-          const float x = token0 + tile.s_token(f, e) < item.kv_end ? tile.s[f][e] * scale : -INFINITY;
+          const float x = token0 + tile.s_token(f, e) < end[Warp::s_slot(f, e)] ? tile.s[f][e] * scale : -INFINITY;
           tile.s[f][e] = x;
           tile_max[Warp::s_slot(f, e)] = fmaxf(tile_max[Warp::s_slot(f, e)], x);
         }
@@ -118,22 +125,23 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     for (int r = 0; r < kSlots; ++r) l[r] = Warp::row_sum(l[r]);
     cp_async_wait<0>();
     const bool any_poisoned = __syncthreads_or(pipe.poisoned);  // also: every warp is done with q and the tiles
-    auto sink_of = [&](int r) { return StateSink<T>(p, query_of(r), head_of(r), item.slot_begin + query_of(r) - item.q_begin); };
+    auto sink_of = [&](int r) { return StateSink(p, query_of(r), head_of(r), item.slot_begin + query_of(r) - item.q_begin); };
 
     if constexpr (S::kWide) {  // each warp writes its rows from its registers
 #pragma unroll
       for (int slot = 0; slot < kSlots; ++slot) {
         const int r = wm * S::kWarpRows + tile.slot_row(slot);
         if (r < rows) {
-          const StateSink<T> sink = sink_of(r);
-          const float inv = any_poisoned ? NAN : l[slot] == 0.f ? 0.f : 1.f / l[slot];  // a NaN l stays NaN
+          const StateSink sink = sink_of(r);
+          const FinalState fin = sink.finish(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
+          const float inv = any_poisoned ? NAN : l[slot] == 0.f ? 0.f : fin.scale / l[slot];  // a NaN l stays NaN
 #pragma unroll
           for (int f = 0; f < Warp::kOF; ++f)
 #pragma unroll
             for (int e = 0; e < Warp::kOE; e += 2)
               if (Warp::o_slot(f, e) == slot) sink.store2(tile.o_dim(f, e), tile.o[f][e] * inv, tile.o[f][e + 1] * inv);
           if (tile.o_dim(0, kSlots == 2 ? 2 * slot : 0) == 0)
-            sink.store_lse(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
+            sink.store_lse(fin.lse);
         }
       }
     } else {  // the warps saw different tokens of the same rows: merge their states
@@ -154,7 +162,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
         }
       }
       __syncthreads();
-      merge_parts_and_store<T, kHeadDim>(o_parts, m_parts, l_parts, S::kWarpsN, kItemRows, rows, any_poisoned, sink_of);
+      merge_parts_and_store<kHeadDim>(o_parts, m_parts, l_parts, S::kWarpsN, kItemRows, rows, any_poisoned, sink_of);
       __syncthreads();  // the next item's copies overwrite the parts
     }
   }
