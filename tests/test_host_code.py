@@ -196,10 +196,10 @@ def test_merge_weights(lib):
 def test_final_state(lib):
     """A query's state finished with its head's sink (a key of value zero): the output factor
     exp(s - lse) * out_scale and lse = logaddexp(s, sink); no sink (-inf) leaves the state alone;
-    an empty state takes the sink's lse and a zero output; NaN stays NaN."""
+    an empty state takes the sink's lse and a zero output; NaN stays NaN; a +inf sink gives 0 and +inf."""
     rng = np.random.default_rng(3)
-    s = np.concatenate([rng.normal(0, 20, 5000), [-np.inf, -np.inf, 2.0, np.nan, 1.0]]).astype(np.float32)
-    sink = np.concatenate([rng.normal(0, 20, 5000), [1.5, -np.inf, -np.inf, 0.0, np.nan]]).astype(np.float32)
+    s = np.concatenate([rng.normal(0, 20, 5000), [-np.inf, -np.inf, 2.0, np.nan, 1.0, 3.0]]).astype(np.float32)
+    sink = np.concatenate([rng.normal(0, 20, 5000), [1.5, -np.inf, -np.inf, 0.0, np.nan, np.inf]]).astype(np.float32)
     out = np.empty((s.size, 2), dtype=np.float32)
     lib.fk_final_state(ptr(s), ptr(sink), ctypes.c_float(0.5), ptr(out), ctypes.c_int64(s.size))
     s64, sink64 = s[:5000].astype(np.float64), sink[:5000].astype(np.float64)
@@ -208,6 +208,7 @@ def test_final_state(lib):
     n = 5000
     assert list(out[n]) == [0.0, 1.5] and list(out[n + 1]) == [0.5, -np.inf] and list(out[n + 2]) == [0.5, 2.0]
     assert np.isnan(out[n + 3]).all() and np.isnan(out[n + 4]).all()
+    assert list(out[n + 5]) == [0.0, np.inf]  # an infinite sink takes all the weight
 
 
 def test_visible_end(lib):

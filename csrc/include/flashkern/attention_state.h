@@ -58,6 +58,7 @@ struct FinalState {
 };
 FK_HOST_DEVICE FinalState final_state(float s, float sink, float out_scale) {
   if (sink == -INFINITY) return {out_scale, s};
+  if (sink == INFINITY && s == s) return {0.f, INFINITY};  // the sink takes all the weight (not inf - inf)
   const MergeWeights w = merge_weights(s, sink);
   return {w.a * out_scale, w.s};
 }

@@ -130,7 +130,10 @@ def final_state(v, s, sinks, out_scale):
     merged with each head's sink, a key of logit sinks[h] whose value is zero, then v * out_scale."""
     if sinks is not None:
         sink = sinks.to(s.dtype).expand_as(s)
-        v, s = merge_state(v, s, torch.zeros_like(v), sink)
+        merged_v, merged_s = merge_state(v, s, torch.zeros_like(v), sink)
+        takes_all = (sink == float("inf")) & ~s.isnan()  # the sink's weight is 1 (not exp(inf - inf))
+        v = torch.where(takes_all[..., None], 0.0, merged_v)
+        s = torch.where(takes_all, float("inf"), merged_s)
     return v * out_scale, s
 
 
