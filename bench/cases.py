@@ -43,6 +43,9 @@ def sweep_shapes(size: int):
     return [("sweep", 2**i, size) for i in range(0, top + 1, 1 if BENCH_SET == "full" else 2)]
 
 
+# flashkern with enable_pdl=True: graphs of back-to-back launches show what PDL saves (GPU only: elsewhere
+# it is a plain launch)
+PDL = "flashkern (pdl)"
 DTYPES = [torch.bfloat16] if BENCH_SET != "full" else [torch.bfloat16, torch.float16]
 
 
@@ -111,6 +114,7 @@ def _liger_rmsnorm(x, w):
 
 RMSNORM = [
     Provider("flashkern", lambda x, w: (lambda: _flashkern().rmsnorm(x, w, 1e-6)), requires="flashkern"),
+    Provider(PDL, lambda x, w: (lambda: _flashkern().rmsnorm(x, w, 1e-6, enable_pdl=True)), "flashkern", True),
     Provider("torch", lambda x, w: (lambda: F.rms_norm(x, (x.shape[-1],), w, 1e-6))),
     Provider("torch.compile", _compile_rmsnorm),
     Provider("flashinfer", lambda x, w: (lambda: __import__("flashinfer").norm.rmsnorm(x, w, 1e-6)), "flashinfer", True),
@@ -190,6 +194,8 @@ def _vllm_fused_add(x, r, w):
 
 FUSED_ADD_RMSNORM = [
     Provider("flashkern", lambda x, r, w: (lambda: _flashkern().fused_add_rmsnorm(x, r, w, 1e-6)), requires="flashkern"),
+    Provider(PDL, lambda x, r, w: (lambda: _flashkern().fused_add_rmsnorm(x, r, w, 1e-6, enable_pdl=True)),
+             "flashkern", True),
     Provider("torch", _torch_fused_add),
     Provider("torch.compile", _compile_fused_add),
     Provider("flashinfer", lambda x, r, w: (lambda: __import__("flashinfer").norm.fused_add_rmsnorm(x, r, w, 1e-6)),
@@ -261,6 +267,7 @@ def act_and_mul_providers(act):
     name = f"{act}_and_mul"
     providers = [
         Provider("flashkern", lambda x: (lambda: getattr(_flashkern(), name)(x)), requires="flashkern"),
+        Provider(PDL, lambda x: (lambda: getattr(_flashkern(), name)(x, enable_pdl=True)), "flashkern", True),
         Provider("torch", lambda x: (lambda: _torch_act_and_mul(act)(x))),
         Provider("torch.compile", _compile_act_and_mul(act)),
         Provider("flashinfer", lambda x: (lambda: getattr(__import__("flashinfer").activation, name)(x)),
@@ -587,6 +594,7 @@ def _flashinfer_cascade(case):
 
 DECODE = [
     Provider("flashkern", lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+    Provider(PDL, lambda case: (lambda: case.decode.run(case.q, case.cache, enable_pdl=True)), "flashkern", True),
     Provider("torch", _sdpa),
     Provider("flashinfer", _flashinfer_decode, "flashinfer", True),
 ]

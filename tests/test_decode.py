@@ -482,3 +482,24 @@ def test_block_tables_and_seq_lens(device):
             wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.float16, **kwargs)
     with pytest.raises(ValueError, match="block_tables needs seq_lens"):
         wrapper.plan(None, None, None, 8, 2, 64, 16, block_tables=block_tables)
+
+
+def test_workspace_size(device):
+    """FlashInfer's workspace_size(): the bytes with which plan() splits as the device asks (the same
+    chunks as with a large workspace), 0 for the int workspace; it plans nothing (the current plan stays)."""
+    wrapper, cache, (indptr, indices, last), q = planned(device)
+    before = wrapper.run(q, cache)
+    lengths = [4097, 300, 1]
+    kvs = random_kv(lengths, 2, 64, seed=60)
+    big_cache, *tables = paged(kvs, 16, "NHD", torch.float16, device, seed=60)
+    float_bytes, int_bytes = wrapper.workspace_size(*tables, 8, 2, 64, 16, q_data_type=torch.float16)
+    assert int_bytes == 0 and float_bytes > 0
+    assert torch.equal(wrapper.run(q, cache), before)
+    large = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    large.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16)
+    exact = BatchDecodeWithPagedKVCacheWrapper(torch.empty(float_bytes, dtype=torch.uint8, device=device))
+    exact.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16)
+    assert exact._core._plan_info["chunk"] == large._core._plan_info["chunk"] < 4097
+    q2 = rand((3, 8, 64), torch.float16, device, seed=61)
+    out, lse = exact.run(q2, big_cache, return_lse=True)
+    check(out, lse, [attention(q2[b], k, v) for b, (k, v) in enumerate(rounded(kvs, torch.float16))], torch.float16)

@@ -84,6 +84,8 @@ FLASHINFER = {
     "BatchDecodeWithPagedKVCacheWrapper.forward": DECODE_FORWARD,
     "BatchDecodeWithPagedKVCacheWrapper.forward_return_lse": DECODE_FORWARD,
     "BatchDecodeWithPagedKVCacheWrapper.end_forward": "",
+    "BatchDecodeWithPagedKVCacheWrapper.workspace_size": DECODE_PLAN.replace("non_blocking=True, ", "").replace(
+        ", *, window_right=0", ""),
     "MultiLevelCascadeAttentionWrapper.__init__": "num_levels, float_workspace_buffer, kv_layout='NHD', "
                                                   "use_cuda_graph=False, qo_indptr_buf_arr=None, "
                                                   "paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None, "

@@ -168,6 +168,32 @@ def test_cuda_attention_ptx(cuda_build, arch):
                 assert re.search(r"st\.global(\.wb)?\.v4", body), name
 
 
+PDL_LAUNCHED = ["rmsnorm_kernel", "act_and_mul_kernel", "decode_attention_kernel", "multi_query_attention_kernel",
+                "merge_partials_kernel"]  # launched with enable_pdl: they let the next kernel start launching
+GLOBAL_ACCESS = r"\b(ld|st|atom|red)\.global|cp\.async\.(cg|ca)\.shared\.global"
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_every_kernel_waits_for_the_previous_one_before_touching_memory(cuda_build, arch):
+    """Programmatic dependent launch (platform.h): on sm_90 every kernel's griddepcontrol.wait comes
+    before its first global load, store or copy (a kernel launched early must not read what the previous
+    kernel is still writing, nor overwrite what it still reads), and the kernels launched with PDL
+    signal launch_dependents; sm_80 has neither instruction."""
+    build, _ = cuda_build
+    for source in SOURCES:
+        entries, names = ptx_of(build, source, arch)
+        for mangled, body in entries.items():
+            name, first_access = names[mangled], re.search(GLOBAL_ACCESS, body)
+            assert first_access, f"{name}: no global memory access in the PTX"
+            if arch == "80":
+                assert "griddepcontrol" not in body, name
+                continue
+            wait = body.find("griddepcontrol.wait")
+            assert 0 <= wait < first_access.start(), f"{name}: a global access before griddepcontrol.wait"
+            pdl = any(f"fk::{family}<" in name for family in PDL_LAUNCHED)
+            assert ("griddepcontrol.launch_dependents" in body) == pdl, name
+
+
 # ---------------------------------------------------------------- launch bounds
 
 
@@ -242,8 +268,8 @@ def test_launch_bounds_check_bites(cuda_build, tmp_path_factory):
     shutil.copytree(ROOT / "tests" / "emu", source / "tests" / "emu")
     launcher = source / "csrc" / "include" / "flashkern" / "kernels" / "batch_attention.cuh"
     text = launcher.read_text()
-    assert text.count("dim3(kMergeBlock), stream)(p);") == 1
-    launcher.write_text(text.replace("dim3(kMergeBlock), stream)(p);", "dim3(2 * kMergeBlock), stream)(p);"))
+    assert text.count("dim3(kMergeBlock), 0, stream,") == 1
+    launcher.write_text(text.replace("dim3(kMergeBlock), 0, stream,", "dim3(2 * kMergeBlock), 0, stream,"))
     lib = emulated.build(tmp_path_factory, "cuda", source_root=source)
     emulated.test_batch_attention_kernels(lib, 24, 128, 16, torch.bfloat16)
     over = over_bounds(launches_and_bounds(lib, ptx_launch_bounds(cuda_build[0])))

@@ -159,7 +159,7 @@ void check_rmsnorm(const char* op, const Tensor& input, const Tensor& weight, do
 }
 
 void rmsnorm_launch(const char* op, const Tensor& out, const Tensor& input, const std::optional<Tensor>& residual,
-                    const Tensor& weight, double eps, double weight_offset) {
+                    const Tensor& weight, double eps, double weight_offset, bool enable_pdl) {
   const c10::DeviceGuard guard(input.device());
   Rows out_rows(out, Access::write), input_rows(input, Access::read);
   std::optional<Rows> residual_rows;
@@ -178,35 +178,38 @@ void rmsnorm_launch(const char* op, const Tensor& out, const Tensor& input, cons
   p.weight_dtype = to_dtype(weight.scalar_type());
   p.eps = float(eps);
   p.weight_offset = float(weight_offset);
+  p.pdl = enable_pdl;
   check_launch(fk::launch_rmsnorm(p, current_stream(input)), op);
   if (residual_rows) residual_rows->finish();
   out_rows.finish();
 }
 
-void rmsnorm_out(Tensor& out, const Tensor& input, const Tensor& weight, double eps, double weight_offset) {
+void rmsnorm_out(Tensor& out, const Tensor& input, const Tensor& weight, double eps, double weight_offset,
+                 bool enable_pdl) {
   check_rmsnorm("rmsnorm", input, weight, eps);
   check_same("rmsnorm", "out", out, "input", input);
   check_last_dim_contiguous("rmsnorm", "out", out);
   at::assert_no_internal_overlap(out);
   at::assert_no_partial_overlap(out, input);  // out may be input itself (in place)
-  rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset);
+  rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset, enable_pdl);
 }
 
-Tensor rmsnorm(const Tensor& input, const Tensor& weight, double eps, double weight_offset) {
+Tensor rmsnorm(const Tensor& input, const Tensor& weight, double eps, double weight_offset, bool enable_pdl) {
   check_rmsnorm("rmsnorm", input, weight, eps);
   Tensor out = at::empty(input.sizes(), input.options());
-  rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset);
+  rmsnorm_launch("rmsnorm", out, input, std::nullopt, weight, eps, weight_offset, enable_pdl);
   return out;
 }
 
-void fused_add_rmsnorm(Tensor& input, Tensor& residual, const Tensor& weight, double eps, double weight_offset) {
+void fused_add_rmsnorm(Tensor& input, Tensor& residual, const Tensor& weight, double eps, double weight_offset,
+                       bool enable_pdl) {
   check_rmsnorm("fused_add_rmsnorm", input, weight, eps);
   check_same("fused_add_rmsnorm", "residual", residual, "input", input);
   check_last_dim_contiguous("fused_add_rmsnorm", "residual", residual);
   at::assert_no_internal_overlap(input);
   at::assert_no_internal_overlap(residual);
   at::assert_no_overlap(input, residual);
-  rmsnorm_launch("fused_add_rmsnorm", input, input, residual, weight, eps, weight_offset);
+  rmsnorm_launch("fused_add_rmsnorm", input, input, residual, weight, eps, weight_offset, enable_pdl);
 }
 
 std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& grad_out, const Tensor& input, const Tensor& weight,
@@ -281,7 +284,8 @@ void check_half_output(const char* op, const char* name, const Tensor& t, const 
 }
 
 // out = act(gate) * up over rows; gate and up are [.., cols] tensors or the halves of one input.
-void launch_act_mul(const char* op, const Tensor& out, const Tensor& gate, const Tensor& up, fk::Activation act) {
+void launch_act_mul(const char* op, const Tensor& out, const Tensor& gate, const Tensor& up, fk::Activation act,
+                    bool enable_pdl = false) {
   const c10::DeviceGuard guard(gate.device());
   Rows out_rows(out, Access::write), gate_rows(gate, Access::read), up_rows(up, Access::read);
   fk::ActAndMulParams p{};
@@ -295,6 +299,7 @@ void launch_act_mul(const char* op, const Tensor& out, const Tensor& gate, const
   p.cols = gate.size(-1);
   p.dtype = to_dtype(gate.scalar_type());
   p.act = act;
+  p.pdl = enable_pdl;
   check_launch(fk::launch_act_and_mul(p, current_stream(gate)), op);
   out_rows.finish();
 }
@@ -331,7 +336,7 @@ std::pair<Tensor, Tensor> halves(const Tensor& input) {
   return {input.narrow(-1, 0, d), input.narrow(-1, d, d)};
 }
 
-void act_and_mul_out(Tensor& out, const Tensor& input, c10::string_view activation) {
+void act_and_mul_out(Tensor& out, const Tensor& input, c10::string_view activation, bool enable_pdl) {
   const fk::Activation act = to_activation("act_and_mul", std::string(activation));
   const std::string name = public_name(activation);
   const char* op = name.c_str();
@@ -340,16 +345,16 @@ void act_and_mul_out(Tensor& out, const Tensor& input, c10::string_view activati
   at::assert_no_internal_overlap(out);
   at::assert_no_overlap(out, input);
   const auto [gate, up] = halves(input);
-  launch_act_mul(op, out, gate, up, act);
+  launch_act_mul(op, out, gate, up, act, enable_pdl);
 }
 
-Tensor act_and_mul(const Tensor& input, c10::string_view activation) {
+Tensor act_and_mul(const Tensor& input, c10::string_view activation, bool enable_pdl) {
   const fk::Activation act = to_activation("act_and_mul", std::string(activation));
   const std::string name = public_name(activation);
   check_act_and_mul(name.c_str(), input);
   Tensor out = at::empty(half_last_dim(input), input.options());  // fresh: none of out='s checks apply
   const auto [gate, up] = halves(input);
-  launch_act_mul(name.c_str(), out, gate, up, act);
+  launch_act_mul(name.c_str(), out, gate, up, act, enable_pdl);
   return out;
 }
 
@@ -577,7 +582,7 @@ bool rows_aligned16(const Tensor& t) {
 
 void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, at::TensorList kv_indices,
                      Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale,
-                     const std::optional<Tensor>& sinks, double out_scale) {
+                     const std::optional<Tensor>& sinks, double out_scale, bool enable_pdl) {
   const char* op = "batch_attention";
   TORCH_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
                     as_tuple(q_in.sizes()));
@@ -668,6 +673,7 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   p.out_scale = float(out_scale);
   p.dtype = to_dtype(q.scalar_type());
   p.out_dtype = to_dtype(out.scalar_type());
+  p.pdl = enable_pdl;
   check_launch(fk::launch_batch_attention(p, current_stream(q)), op);
 }
 

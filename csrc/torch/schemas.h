@@ -7,18 +7,22 @@
 namespace flashkern {
 
 inline void define_schemas(torch::Library& m) {
-  // out = input * rsqrt(mean(input^2, -1) + eps) * (weight + weight_offset)
-  m.def("rmsnorm(Tensor input, Tensor weight, float eps, float weight_offset) -> Tensor");
-  m.def("rmsnorm_out(Tensor(a!) out, Tensor input, Tensor weight, float eps, float weight_offset) -> ()");
+  // out = input * rsqrt(mean(input^2, -1) + eps) * (weight + weight_offset). enable_pdl (here and
+  // below): launch as a programmatic dependent launch where the GPU has it (platform.h)
+  m.def("rmsnorm(Tensor input, Tensor weight, float eps, float weight_offset, bool enable_pdl=False) -> Tensor");
+  m.def(
+      "rmsnorm_out(Tensor(a!) out, Tensor input, Tensor weight, float eps, float weight_offset, "
+      "bool enable_pdl=False) -> ()");
   // residual += input; input = rmsnorm(residual)
   m.def(
-      "fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, float weight_offset) -> ()");
+      "fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, float weight_offset, "
+      "bool enable_pdl=False) -> ()");
   m.def(
       "rmsnorm_backward(Tensor grad_out, Tensor input, Tensor weight, float eps, float weight_offset) "
       "-> (Tensor grad_input, Tensor grad_weight)");
   // out = act(input[..., :d]) * input[..., d:], act in {silu, gelu, gelu_tanh}
-  m.def("act_and_mul(Tensor input, str activation) -> Tensor");
-  m.def("act_and_mul_out(Tensor(a!) out, Tensor input, str activation) -> ()");
+  m.def("act_and_mul(Tensor input, str activation, bool enable_pdl=False) -> Tensor");
+  m.def("act_and_mul_out(Tensor(a!) out, Tensor input, str activation, bool enable_pdl=False) -> ()");
   m.def("act_and_mul_backward(Tensor grad_out, Tensor input, str activation) -> Tensor");
   // out = act(gate) * up: act_and_mul with the halves as two tensors (no concatenation)
   m.def("act_mul(Tensor gate, Tensor up, str activation) -> Tensor");
@@ -40,7 +44,8 @@ inline void define_schemas(torch::Library& m) {
   // kernels and (0 or 1) the merge. sinks: [qo_heads] float32 sink logits; out_scale scales out.
   m.def(
       "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
-      "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0) -> ()");
+      "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0, "
+      "bool enable_pdl=False) -> ()");
 }
 
 }  // namespace flashkern

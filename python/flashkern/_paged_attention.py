@@ -211,11 +211,13 @@ class PagedAttention:
         return self._use_cuda_graph
 
     def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-              q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None, o_dtype=None, causal=False):
+              q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None, o_dtype=None, causal=False,
+              dry_run=False):
         """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
         shape-checked; device_indices: each level's kv_indices where the kernels will read them;
         batch: the number of queries; causal: the last level's groups are causal (each group's
-        queries are its last tokens). Checks the rest, plans, and writes the plan into the workspace."""
+        queries are its last tokens). Checks the rest, plans, and writes the plan into the workspace;
+        dry_run: returns the workspace bytes the plan needs (at its preferred split) instead."""
         check_head_dim(op, head_dim)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -246,6 +248,12 @@ class PagedAttention:
         # split_tokens: a fixed chunk length (one block of work per that many tokens, however many
         # blocks the device has), or MAX_KV_LENGTH for no split at all
         budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else (1 << 40, split_tokens)
+        if dry_run:  # room for every item and state: the split the device asks for, never grown to fit
+            _, counts, slots, _, _ = _C.plan_attention(
+                plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
+                1 << 40, 1 << 40, names, indexed, 0, 0)
+            items_as_slots = -(-sum(counts) // 2)  # workspace_layout: two items a slot
+            return _C.workspace_bytes(max(slots, items_as_slots), batch, num_qo_heads, head_dim)
         words, counts, slots, chunk, needs_merge = _C.plan_attention(
             plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
             item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
@@ -262,7 +270,7 @@ class PagedAttention:
         }
 
     def _run(self, op, q, paged_kv_cache, out, lse, sinks=None, q_scale=None, k_scale=None, v_scale=None,
-             sm_scale=None):
+             sm_scale=None, pdl=False):
         """The planned attention of q (and FlashInfer's run() options: sinks [num_qo_heads], one sink
         logit per head; q_scale and k_scale multiply sm_scale, v_scale the output; sm_scale, if
         given, replaces the plan's) into out / lse."""
@@ -298,7 +306,7 @@ class PagedAttention:
             check_tensor(op, name, t)
         if out.dtype != info["o_dtype"]:
             raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
-        args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale)
+        args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale, pdl)
         if _backend.use_reference(q.device):
             _batch_attention_cpu(*args)
         else:
@@ -342,7 +350,7 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
 
 @_backend.register_cpu("batch_attention")
 def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                         out_scale=1.0):
+                         out_scale=1.0, enable_pdl=False):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
                           sinks, out_scale)
     o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks, out_scale)
@@ -355,6 +363,6 @@ def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, g
 
 @torch.library.register_fake("flashkern::batch_attention")
 def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0):
+                          out_scale=1.0, enable_pdl=False):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
                           sinks, out_scale, addresses=False)

@@ -190,10 +190,12 @@ MAX_LEVELS = _C.MAX_LEVELS  # attention levels: kv_indices pointers travel in th
 
 
 def check_enable_pdl(op, enable_pdl):
-    """FlashInfer's enable_pdl: None or a bool. Accepted and, for now, ignored: no flashkern kernel uses
-    programmatic dependent launch yet (README)."""
+    """FlashInfer's enable_pdl: None or a bool -> whether to launch with programmatic dependent launch
+    (platform.h; the GPU must have it, else a plain launch). None is off until a GPU measurement shows
+    that it helps (README)."""
     if enable_pdl is not None and not isinstance(enable_pdl, bool):
         raise TypeError(f"{op}: enable_pdl must be None or a bool, got {enable_pdl!r}")
+    return bool(enable_pdl)
 
 
 def check_head_dim(op, head_dim):

@@ -21,19 +21,19 @@ from ._validate import (
 _ops = torch.ops.flashkern
 
 
-def _act_and_mul(input, activation, out):
+def _act_and_mul(input, activation, out, pdl=False):
     check_tensor(f"{activation}_and_mul", "input", input)
     if _backend.use_reference(input.device):
         _check(input, activation, reference=True)
         y = ref.act_and_mul(input, activation)
         return y if out is None else out.copy_(y)
     if out is None:
-        return _ops.act_and_mul(input, activation)
+        return _ops.act_and_mul(input, activation, pdl)
     if torch.is_grad_enabled() and input.requires_grad:
         raise RuntimeError(
             f"{activation}_and_mul(): functions with out=... arguments don't support automatic differentiation"
         )
-    _ops.act_and_mul_out(out, input, activation)
+    _ops.act_and_mul_out(out, input, activation, pdl)
     return out
 
 
@@ -41,23 +41,19 @@ def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: bool
     """SwiGLU: ``silu(input[..., :d]) * input[..., d:]`` for input ``[..., 2d]``; returns ``[..., d]``.
 
     float16, bfloat16 or float32, last dimension contiguous; math in float32. Differentiable when
-    ``out`` is None. ``enable_pdl`` (FlashInfer's) is accepted and ignored: flashkern does not use
-    programmatic dependent launch yet.
+    ``out`` is None. ``enable_pdl``: as in rmsnorm.
     """
-    check_enable_pdl("silu_and_mul", enable_pdl)
-    return _act_and_mul(input, "silu", out)
+    return _act_and_mul(input, "silu", out, check_enable_pdl("silu_and_mul", enable_pdl))
 
 
 def gelu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: bool = None) -> torch.Tensor:
     """GeGLU with the exact (erf) GELU: ``gelu(input[..., :d]) * input[..., d:]``; see silu_and_mul."""
-    check_enable_pdl("gelu_and_mul", enable_pdl)
-    return _act_and_mul(input, "gelu", out)
+    return _act_and_mul(input, "gelu", out, check_enable_pdl("gelu_and_mul", enable_pdl))
 
 
 def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: bool = None) -> torch.Tensor:
     """GeGLU with the tanh-approximated GELU: ``gelu_tanh(input[..., :d]) * input[..., d:]``."""
-    check_enable_pdl("gelu_tanh_and_mul", enable_pdl)
-    return _act_and_mul(input, "gelu_tanh", out)
+    return _act_and_mul(input, "gelu_tanh", out, check_enable_pdl("gelu_tanh_and_mul", enable_pdl))
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -84,13 +80,13 @@ def _check(input, activation, reference, backward=False):
 
 
 @_backend.register_cpu("act_and_mul")
-def _act_and_mul_cpu(input, activation):
+def _act_and_mul_cpu(input, activation, enable_pdl=False):
     _check(input, activation, reference=True)
     return ref.act_and_mul(input, activation).contiguous()
 
 
 @_backend.register_cpu("act_and_mul_out")
-def _act_and_mul_out_cpu(out, input, activation):
+def _act_and_mul_out_cpu(out, input, activation, enable_pdl=False):
     check_act_and_mul_output(_check(input, activation, reference=True), "out", out, input)
     out.copy_(ref.act_and_mul(input, activation))
 
@@ -136,13 +132,13 @@ def _act_mul_backward_fake(grad_out, gate, up, activation):
 
 
 @torch.library.register_fake("flashkern::act_and_mul")
-def _act_and_mul_fake(input, activation):
+def _act_and_mul_fake(input, activation, enable_pdl=False):
     _check(input, activation, reference=input.device.type == "cpu")
     return input.new_empty(half_last_dim(input.shape))
 
 
 @torch.library.register_fake("flashkern::act_and_mul_out")
-def _act_and_mul_out_fake(out, input, activation):
+def _act_and_mul_out_fake(out, input, activation, enable_pdl=False):
     check_act_and_mul_output(_check(input, activation, reference=input.device.type == "cpu"), "out", out, input)
 
 
@@ -157,7 +153,7 @@ def _act_and_mul_backward_fake(grad_out, input, activation):
 
 
 def _setup_context(ctx, inputs, output):
-    input, activation = inputs
+    input, activation = inputs[:2]  # and enable_pdl, for the forward only
     ctx.save_for_backward(input)
     ctx.activation = activation
 
@@ -166,7 +162,7 @@ def _backward(ctx, grad):
     (input,) = ctx.saved_tensors
     if grad.dim() >= 1 and grad.shape[-1] > 1 and grad.stride(-1) != 1:
         grad = grad.contiguous()
-    return _ops.act_and_mul_backward(grad, input, ctx.activation), None
+    return _ops.act_and_mul_backward(grad, input, ctx.activation), None, None
 
 
 torch.library.register_autograd("flashkern::act_and_mul", _backward, setup_context=_setup_context)

@@ -100,8 +100,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
           not depend on the batch.
         - ``window_right`` != 0 is not supported (ValueError), nor are the options rejected in
           ``reject_unsupported`` at other than their defaults."""
-        op = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        reject_unsupported(op, window_right=window_right)
+        reject_unsupported("BatchDecodeWithPagedKVCacheWrapper.plan", window_right=window_right)
+        self._plan_from_args("BatchDecodeWithPagedKVCacheWrapper.plan", indptr, indices, last_page_len, num_qo_heads,
+                             num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
+                             q_data_type, kv_data_type, o_data_type, data_type, sm_scale, rope_scale, rope_theta,
+                             block_tables, seq_lens, fixed_split_size, disable_split_kv, q_len_per_req)
+
+    def _plan_from_args(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
+                        data_type, sm_scale, rope_scale, rope_theta, block_tables, seq_lens, fixed_split_size,
+                        disable_split_kv, q_len_per_req, dry_run=False):
+        """plan() and workspace_size(): FlashInfer's arguments to the planner's."""
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
             raise ValueError(f"{op}: q_len_per_req must be a positive int, got {q_len_per_req!r}")
         if disable_split_kv not in (False, True):
@@ -114,16 +123,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if block_tables is not None or seq_lens is not None:
             indptr, indices, last_page_len = csr_page_table(op, indptr, indices, last_page_len, block_tables,
                                                             seq_lens, page_size)
-        self._plan(op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                   pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale,
-                   rope_scale, rope_theta, o_data_type, split_tokens, q_len_per_req)
+        return self._plan(op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                          pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type,
+                          sm_scale, rope_scale, rope_theta, o_data_type, split_tokens, q_len_per_req, dry_run)
 
     begin_forward = plan
+
+    def workspace_size(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                       pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+                       kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
+                       rope_theta=None, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
+                       q_len_per_req=1):
+        """(float_workspace_size, int_workspace_size) in bytes: the workspace plan() needs for this batch
+        to split it as the device asks (a smaller one still works, with longer chunks; a workspace
+        too small for even one chunk a request is a ValueError in plan()). flashkern has one workspace,
+        so the second is 0. plan()'s arguments; nothing is planned or kept."""
+        return self._plan_from_args("BatchDecodeWithPagedKVCacheWrapper.workspace_size", indptr, indices,
+                                    last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                    pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type,
+                                    o_data_type, data_type, sm_scale, rope_scale, rope_theta, block_tables, seq_lens,
+                                    fixed_split_size, disable_split_kv, q_len_per_req, dry_run=True), 0
 
     def _plan(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
               pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None,
               data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, o_data_type=None, split_tokens=None,
-              q_len_per_req=1):
+              q_len_per_req=1, dry_run=False):
         """plan(), its errors under the name of the function the caller called."""
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
@@ -142,14 +166,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         indptr_h = host_int32(op, "indptr", indptr)
         last_h = host_int32(op, "last_page_len", last_page_len, batch)
         indices_h = host_int32(op, "indices", indices)
-        indices_d = self._device_indices(op, indices, indptr, last_page_len, batch)
+        indices_d = None if dry_run else self._device_indices(op, indices, indptr, last_page_len, batch)
         # request b's queries: rows b * q_len_per_req ... of q (None: one query a request)
         qo_h = None if q_len_per_req == 1 else torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req
-        self._core._plan(op, [(qo_h, indptr_h, indices_h, last_h)], [indices_d], batch * q_len_per_req, num_qo_heads,
-                         num_kv_heads, head_dim, page_size, sm_scale, q_dtype, kv_dtype,
-                         ("qo_indptr", "indptr", "indices", "last_page_len"), False,
-                         {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1))},
-                         split_tokens, o_dtype, causal=q_len_per_req > 1)
+        planned = self._core._plan(op, [(qo_h, indptr_h, indices_h, last_h)], [indices_d], batch * q_len_per_req,
+                                   num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_dtype, kv_dtype,
+                                   ("qo_indptr", "indptr", "indices", "last_page_len"), False,
+                                   {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1))},
+                                   split_tokens, o_dtype, causal=q_len_per_req > 1, dry_run=dry_run)
+        if dry_run:
+            return planned
         self._q_len_per_req = q_len_per_req
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
@@ -165,20 +191,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
           sum_j exp(logit_j))``.
         - ``q_scale`` and ``k_scale`` (numbers) multiply sm_scale, ``v_scale`` the output.
         - ``q_len_per_req``: None or the planned value; ``window_left``: None or the plan's -1.
-        - ``enable_pdl`` is accepted and ignored (no PDL yet); ``skip_softmax_threshold_scale_factor``
-          and ``kv_cache_sf`` are not supported (ValueError)."""
+        - ``enable_pdl=True``: the kernels as programmatic dependent launches where the GPU has them
+          (CUDA sm_90+); None is off. ``skip_softmax_threshold_scale_factor`` and ``kv_cache_sf`` are
+          not supported (ValueError)."""
         op = "BatchDecodeWithPagedKVCacheWrapper.run"
         if args:
             raise ValueError(f"{op}: extra positional arguments (custom-kernel arguments in FlashInfer) are not "
                              f"supported by flashkern, got {len(args)}")
-        check_enable_pdl(op, enable_pdl)
+        pdl = check_enable_pdl(op, enable_pdl)
         reject_unsupported(op, skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                            kv_cache_sf=kv_cache_sf, window_left=-1 if window_left is None else window_left)
         planned = getattr(self, "_q_len_per_req", 1)
         if q_len_per_req is not None and q_len_per_req != planned:
             raise ValueError(f"{op}: q_len_per_req={q_len_per_req!r} differs from the plan's {planned}; "
                              "plan again with it")
-        out, lse = self._core._run(op, q, paged_kv_cache, out, lse, sinks, q_scale, k_scale, v_scale)
+        out, lse = self._core._run(op, q, paged_kv_cache, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)

@@ -17,20 +17,20 @@ def _no_grad_for_out(op, *tensors):
         raise RuntimeError(f"{op}(): functions with out=... or in-place arguments don't support automatic differentiation")
 
 
-def _rmsnorm(input, weight, eps, weight_offset, out):
+def _rmsnorm(input, weight, eps, weight_offset, out, pdl=False):
     check_tensor("rmsnorm", "input", input)
     if _backend.use_reference(input.device):
         check_rmsnorm("rmsnorm", input, weight, eps, reference=True)
         y = ref.rmsnorm(input, weight, eps, weight_offset)
         return y if out is None else out.copy_(y)
     if out is None:
-        return _ops.rmsnorm(input, weight, eps, weight_offset)
+        return _ops.rmsnorm(input, weight, eps, weight_offset, pdl)
     _no_grad_for_out("rmsnorm", input, weight)
-    _ops.rmsnorm_out(out, input, weight, eps, weight_offset)
+    _ops.rmsnorm_out(out, input, weight, eps, weight_offset, pdl)
     return out
 
 
-def _fused_add_rmsnorm(input, residual, weight, eps, weight_offset):
+def _fused_add_rmsnorm(input, residual, weight, eps, weight_offset, pdl=False):
     check_tensor("fused_add_rmsnorm", "input", input)
     if _backend.use_reference(input.device):
         check_rmsnorm("fused_add_rmsnorm", input, weight, eps, reference=True)
@@ -40,7 +40,7 @@ def _fused_add_rmsnorm(input, residual, weight, eps, weight_offset):
         input.copy_(y)
         return
     _no_grad_for_out("fused_add_rmsnorm", input, residual, weight)
-    _ops.fused_add_rmsnorm(input, residual, weight, eps, weight_offset)
+    _ops.fused_add_rmsnorm(input, residual, weight, eps, weight_offset, pdl)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor = None,
@@ -50,17 +50,16 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: t
     input: ``[tokens, hidden]``, or ``[tokens, heads, head_dim]`` to normalize each head (q/k norm);
     float16, bfloat16 or float32, last dimension contiguous (rows may be strided).
     weight: ``[hidden]``, input's dtype or float32. Math in float32; the result is rounded once to
-    input's dtype. Differentiable (input and weight) when ``out`` is None. ``enable_pdl`` (FlashInfer's)
-    is accepted and ignored: flashkern does not use programmatic dependent launch yet.
+    input's dtype. Differentiable (input and weight) when ``out`` is None. ``enable_pdl=True``
+    (FlashInfer's): a programmatic dependent launch on GPUs that have it (CUDA sm_90+; elsewhere a
+    plain launch), so that the kernel's launch overlaps the end of the one before; None is off.
     """
-    check_enable_pdl("rmsnorm", enable_pdl)
-    return _rmsnorm(input, weight, eps, 0.0, out)
+    return _rmsnorm(input, weight, eps, 0.0, out, check_enable_pdl("rmsnorm", enable_pdl))
 
 
 def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     """Gemma's RMSNorm: ``input * rsqrt(mean(input**2, -1) + eps) * (1 + weight)``; see rmsnorm."""
-    check_enable_pdl("gemma_rmsnorm", enable_pdl)
-    return _rmsnorm(input, weight, eps, 1.0, out)
+    return _rmsnorm(input, weight, eps, 1.0, out, check_enable_pdl("gemma_rmsnorm", enable_pdl))
 
 
 def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None) -> None:
@@ -70,27 +69,25 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=Non
     dtype, and the norm is computed from the unrounded float32 sum and rounded once when written
     to ``input``. Inference only (no autograd). ``enable_pdl``: as in rmsnorm.
     """
-    check_enable_pdl("fused_add_rmsnorm", enable_pdl)
-    _fused_add_rmsnorm(input, residual, weight, eps, 0.0)
+    _fused_add_rmsnorm(input, residual, weight, eps, 0.0, check_enable_pdl("fused_add_rmsnorm", enable_pdl))
 
 
 def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None) -> None:
     """fused_add_rmsnorm with Gemma's ``(1 + weight)``."""
-    check_enable_pdl("gemma_fused_add_rmsnorm", enable_pdl)
-    _fused_add_rmsnorm(input, residual, weight, eps, 1.0)
+    _fused_add_rmsnorm(input, residual, weight, eps, 1.0, check_enable_pdl("gemma_fused_add_rmsnorm", enable_pdl))
 
 
 # ---- CPU: the reference, with the same checks as the kernels ----
 
 
 @_backend.register_cpu("rmsnorm")
-def _rmsnorm_cpu(input, weight, eps, weight_offset):
+def _rmsnorm_cpu(input, weight, eps, weight_offset, enable_pdl=False):
     check_rmsnorm("rmsnorm", input, weight, eps, reference=True)
     return ref.rmsnorm(input, weight, eps, weight_offset).contiguous()
 
 
 @_backend.register_cpu("rmsnorm_out")
-def _rmsnorm_out_cpu(out, input, weight, eps, weight_offset):
+def _rmsnorm_out_cpu(out, input, weight, eps, weight_offset, enable_pdl=False):
     check_rmsnorm("rmsnorm", input, weight, eps, reference=True)
     check_same("rmsnorm", "out", out, "input", input)
     check_last_dim_contiguous("rmsnorm", "out", out)
@@ -98,7 +95,7 @@ def _rmsnorm_out_cpu(out, input, weight, eps, weight_offset):
 
 
 @_backend.register_cpu("fused_add_rmsnorm")
-def _fused_add_rmsnorm_cpu(input, residual, weight, eps, weight_offset):
+def _fused_add_rmsnorm_cpu(input, residual, weight, eps, weight_offset, enable_pdl=False):
     check_rmsnorm("fused_add_rmsnorm", input, weight, eps, reference=True)
     check_same("fused_add_rmsnorm", "residual", residual, "input", input)
     check_last_dim_contiguous("fused_add_rmsnorm", "residual", residual)
@@ -123,19 +120,19 @@ def _is_reference(t):
 
 
 @torch.library.register_fake("flashkern::rmsnorm")
-def _rmsnorm_fake(input, weight, eps, weight_offset):
+def _rmsnorm_fake(input, weight, eps, weight_offset, enable_pdl=False):
     check_rmsnorm("rmsnorm", input, weight, eps, reference=_is_reference(input))
     return input.new_empty(input.shape)
 
 
 @torch.library.register_fake("flashkern::rmsnorm_out")
-def _rmsnorm_out_fake(out, input, weight, eps, weight_offset):
+def _rmsnorm_out_fake(out, input, weight, eps, weight_offset, enable_pdl=False):
     check_rmsnorm("rmsnorm", input, weight, eps, reference=_is_reference(input))
     check_same("rmsnorm", "out", out, "input", input)
 
 
 @torch.library.register_fake("flashkern::fused_add_rmsnorm")
-def _fused_add_rmsnorm_fake(input, residual, weight, eps, weight_offset):
+def _fused_add_rmsnorm_fake(input, residual, weight, eps, weight_offset, enable_pdl=False):
     check_rmsnorm("fused_add_rmsnorm", input, weight, eps, reference=_is_reference(input))
     check_same("fused_add_rmsnorm", "residual", residual, "input", input)
 
@@ -151,7 +148,7 @@ def _rmsnorm_backward_fake(grad_out, input, weight, eps, weight_offset):
 
 
 def _rmsnorm_setup_context(ctx, inputs, output):
-    input, weight, eps, weight_offset = inputs
+    input, weight, eps, weight_offset = inputs[:4]  # and enable_pdl, for the forward only
     ctx.save_for_backward(input, weight)
     ctx.eps, ctx.weight_offset = eps, weight_offset
 
@@ -161,7 +158,7 @@ def _rmsnorm_autograd_backward(ctx, grad):
     if grad.dim() >= 1 and grad.shape[-1] > 1 and grad.stride(-1) != 1:
         grad = grad.contiguous()
     grad_input, grad_weight = _ops.rmsnorm_backward(grad, input, weight, ctx.eps, ctx.weight_offset)
-    return grad_input, grad_weight, None, None
+    return grad_input, grad_weight, None, None, None
 
 
 torch.library.register_autograd(

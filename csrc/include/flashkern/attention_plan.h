@@ -54,6 +54,7 @@ struct PlanResult {
 };
 
 inline constexpr int64_t kMaxKvLength = int64_t(1) << 30;
+static_assert(kNoDiagonal >= kMaxKvLength, "visible_end: no diagonal must leave every chunk whole");
 
 namespace plan_detail {
 
@@ -74,6 +75,7 @@ inline int64_t chunks_of(int64_t length, int64_t chunk) { return (length + chunk
 
 }  // namespace plan_detail
 
+// Writes the plan into out[0..out_words); out == nullptr: only says what it would need (words, counts, slots).
 inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const PlanShape& s, int32_t* out,
                                  int64_t out_words) {
   using namespace plan_detail;
@@ -174,6 +176,11 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
   }
   const int64_t batch = s.batch;
   const int64_t words = kHeaderWords + kItemWords * items + batch + 1 + slots;
+  if (out == nullptr) {  // a dry run: what the plan needs (workspace_size()), nothing written
+    for (const Entry& e : entries) r.count[int(e.kind)] += int32_t(e.row_tiles * chunks_of(e.length, chunk));
+    r.words = words, r.slots = slots, r.chunk = chunk;
+    return r;
+  }
   if (words > out_words) return fail("internal: the plan buffer is too small");
 
   // ---- items and slots

@@ -39,6 +39,7 @@ struct RmsnormParams {
   int64_t rows, cols;
   DType dtype, weight_dtype;
   float eps, weight_offset;
+  bool pdl;  // a programmatic dependent launch where the device has it (platform.h)
 };
 
 struct RmsnormBackwardParams {
@@ -64,6 +65,7 @@ struct ActAndMulParams {
   int64_t rows, cols;
   DType dtype;
   Activation act;
+  bool pdl;  // a programmatic dependent launch where the device has it (platform.h)
 };
 
 // grad_gate = dy * up * act'(gate), grad_up = dy * act(gate)
@@ -149,6 +151,7 @@ struct BatchAttentionParams {
   float out_scale;               // FlashInfer's v_scale: 1 for plain attention
   DType dtype;                   // q and the cache: f16 or bf16
   DType out_dtype;               // f16 or bf16 (o_data_type)
+  bool pdl;                      // programmatic dependent launches where the device has them (platform.h)
 };
 
 const char* launch_rmsnorm(const RmsnormParams& p, void* stream);

@@ -12,6 +12,12 @@
 //   FK_LAUNCH(kernel, grid, block, stream)(args...)
 //   FK_LAUNCH_SMEM(kernel, grid, block, dynamic_shared_bytes, stream)(args...)
 //                                              launch on a stream (emulate.h: on host threads)
+//   FK_LAUNCH_PDL(kernel, grid, block, dynamic_shared_bytes, stream, pdl)(args...)
+//                                              FK_LAUNCH_SMEM, as a programmatic dependent launch when
+//                                              pdl and the device has it (CUDA, compute capability 9+)
+//   fk::pdl_wait() / fk::pdl_launch_dependents()
+//                                              griddepcontrol.wait / .launch_dependents on sm_90+
+//                                              device passes, no-ops elsewhere
 //   FK_LAUNCH_BOUNDS(threads, min_blocks)      __launch_bounds__ with an occupancy target on CUDA
 //                                              (HIP reads the second number differently: threads only)
 //   FK_DYNAMIC_SHARED(name)                    the block's dynamic shared memory, as uint8_t* name
@@ -30,7 +36,9 @@
 //                                              those instructions, 16-bit inputs, fp32 accumulators
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <utility>
 
 #if defined(__HIPCC__)
 #define FK_HIP 1
@@ -146,6 +154,76 @@ inline constexpr bool kHipBuild = false;
   extern __shared__ __align__(16) uint8_t fk_dynamic_shared[]; \
   uint8_t* name = fk_dynamic_shared
 #define FK_STATIC_SHARED(type, name, dims) __shared__ type name dims
+#endif
+
+// ---- programmatic dependent launch (PDL, CUDA sm_90+) ----
+// A kernel launched with it may start while the stream's previous kernel still runs. Every flashkern
+// kernel therefore calls pdl_wait() before its first global memory access (the previous kernel has
+// then finished and its writes are visible; without PDL it returns at once), and the kernels that
+// can be launched so call pdl_launch_dependents() once they have read their inputs, which lets the
+// next kernel in the stream begin launching (its own wait still holds it until this grid is done).
+// HIP has no PDL, and the emulator runs each launch to its end before the next: both are no-ops there.
+#if defined(FK_GPU)
+FK_DEVICE void pdl_wait() {
+#if defined(FK_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+FK_DEVICE void pdl_launch_dependents() {
+#if defined(FK_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");  // orders no memory: the dependent's wait covers all of it
+#endif
+}
+#endif
+
+#if defined(FK_CUDA)
+// Whether `device` runs programmatic dependent launches (compute capability 9.0+), asked once per
+// device (devices 0-63; others are asked on every launch).
+inline bool gpuHasPdl(int device) {
+  static std::atomic<uint64_t> known{0}, has{0};  // a bit per device
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
+  if (bit != 0 && (known.load(std::memory_order_relaxed) & bit)) return (has.load(std::memory_order_relaxed) & bit) != 0;
+  int major = 0;
+  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+  if (bit != 0) {
+    if (yes) has.fetch_or(bit, std::memory_order_relaxed);
+    known.fetch_or(bit, std::memory_order_relaxed);
+  }
+  return yes;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), through cudaLaunchKernelEx with programmatic stream
+// serialization when pdl and the current device has it. Errors are left for gpuGetLastError.
+template <typename... Params>
+struct PdlLauncher {
+  void (*kernel)(Params...);
+  dim3 grid, block;
+  int smem;
+  cudaStream_t stream;
+  bool pdl;
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    if (pdl && gpuHasPdl(gpuCurrentDevice())) {
+      cudaLaunchAttribute attribute[1];
+      attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute[0].val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = size_t(smem), config.stream = stream;
+      config.attrs = attribute, config.numAttrs = 1;
+      (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // its error is also the last error
+    } else {
+      kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    }
+  }
+};
+template <typename... Params>
+PdlLauncher<Params...> pdl_launcher(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                                    bool pdl) {
+  return {kernel, grid, block, smem, stream, pdl};
+}
+#define FK_LAUNCH_PDL(kernel, grid, block, smem, stream, pdl) ::fk::pdl_launcher(kernel, grid, block, smem, stream, pdl)
+#else
+#define FK_LAUNCH_PDL(kernel, grid, block, smem, stream, pdl) FK_LAUNCH_SMEM(kernel, grid, block, smem, stream)
 #endif
 
 // Without a block count ptxas may cap registers below what the threads allow and spill; with one

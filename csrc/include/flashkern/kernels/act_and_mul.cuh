@@ -49,6 +49,7 @@ FK_DEVICE void for_each_vector(int64_t rows, int64_t cols, const ActPlan& plan, 
 
 template <typename T, Activation A, int kVec>
 __global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(ActAndMulParams p, ActPlan plan) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   for_each_vector<kVec>(p.rows, p.cols, plan, [&](int64_t row, int64_t v, int n) {
     Vec<T, kVec> g, u, o;
     g.load(static_cast<const T*>(p.gate) + p.gate_rows.offset(row) + v * kVec, n);
@@ -57,10 +58,12 @@ __global__ void __launch_bounds__(kActThreads) act_and_mul_kernel(ActAndMulParam
     for (int i = 0; i < kVec; ++i) o.set(i, Act<A>::f(g.f(i)) * u.f(i));
     o.store(static_cast<T*>(p.out) + p.out_rows.offset(row) + v * kVec, n);
   });
+  pdl_launch_dependents();  // this block has read and written what it will
 }
 
 template <typename T, Activation A, int kVec>
 __global__ void __launch_bounds__(kActThreads) act_and_mul_backward_kernel(ActAndMulBackwardParams p, ActPlan plan) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   for_each_vector<kVec>(p.rows, p.cols, plan, [&](int64_t row, int64_t v, int n) {
     Vec<T, kVec> g, u, d, dg, du;
     g.load(static_cast<const T*>(p.gate) + p.gate_rows.offset(row) + v * kVec, n);
@@ -99,7 +102,7 @@ inline const char* run_act_and_mul(const ActAndMulParams& p, gpuStream_t stream)
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
         const ActPlan plan = plan_act_and_mul(p.rows, p.cols, kV);
         const auto kernel = act_and_mul_kernel<T, decltype(act_c)::value, kV>;
-        FK_LAUNCH(kernel, plan.grid, dim3(kActThreads), stream)(p, plan);
+        FK_LAUNCH_PDL(kernel, plan.grid, dim3(kActThreads), 0, stream, p.pdl)(p, plan);
         return last_launch_error();
       });
     });

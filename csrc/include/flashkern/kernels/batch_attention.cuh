@@ -20,6 +20,8 @@ inline constexpr int kMergeBlock = 256;
 // out_scale (final_state). head_dim / 8 threads a row.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kMergeBlock) merge_partials_kernel(BatchAttentionParams p) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
+  pdl_launch_dependents();  // at the start: at the end it costs ptxas a spill here, and the next kernel still waits
   constexpr int kLanes = kHeadDim / kVec16Bit, kRowsPerBlock = kMergeBlock / kLanes;
   const int* indptr = p.plan + plan_header(p).merge_indptr;
   const int* slots = p.plan + plan_header(p).merge_indices;
@@ -91,7 +93,7 @@ const char* launch_tiles(int blocks, int kv_heads, int threads, int bytes, const
     }
     raised.fetch_or(bit, std::memory_order_relaxed);
   }
-  FK_LAUNCH_SMEM(kKernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream)(p);
+  FK_LAUNCH_PDL(kKernel, dim3(unsigned(blocks), unsigned(kv_heads)), dim3(unsigned(threads)), bytes, stream, p.pdl)(p);
   return last_launch_error();
 }
 
@@ -126,7 +128,8 @@ const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t strea
         constexpr int kRowsPerBlock = kMergeBlock / (D / kVec16Bit);
         const int64_t blocks = ceil_div(int64_t(p.batch) * p.qo_heads, kRowsPerBlock);
         const auto merge = merge_partials_kernel<T, D>;
-        FK_LAUNCH(merge, dim3(unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks)), dim3(kMergeBlock), stream)(p);
+        FK_LAUNCH_PDL(merge, dim3(unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks)), dim3(kMergeBlock), 0, stream,
+                      p.pdl)(p);
         error = last_launch_error();
       }
       return error;

@@ -31,6 +31,7 @@ struct DecodeShape {
 
 template <typename T, int kHeadDim, int kGroup>
 __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionParams p) {  // 4 blocks/SM
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   using S = DecodeShape<kHeadDim>;
   using Pipeline = KVPipeline<T, kHeadDim, S::kTile, S::kThreads, S::kStages, false>;
   FK_DYNAMIC_SHARED(smem);
@@ -128,6 +129,7 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
                                        [&](int h) { return StateSink(p, t, kv_head * kGroup + h, item.slot_begin); });
     __syncthreads();  // the next item's copies overwrite the parts
   }
+  pdl_launch_dependents();  // this block has read and written what it will
 }
 
 }  // namespace fk

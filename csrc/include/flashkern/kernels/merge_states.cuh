@@ -18,6 +18,7 @@ inline constexpr int kMergeThreads = 256;
 
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(MergeStatesParams p, int threads_per_row) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   const int tpr = threads_per_row, rows_per_block = kMergeThreads / tpr, lane = threadIdx.x % tpr;
   const int64_t rows = p.tokens * p.heads, row_vecs = ceil_div(p.head_dim, kVec);
   for (int64_t base = int64_t(blockIdx.x) * rows_per_block; base < rows; base += int64_t(gridDim.x) * rows_per_block) {

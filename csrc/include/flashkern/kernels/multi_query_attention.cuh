@@ -176,11 +176,13 @@ inline constexpr int kTileBlocksPerSM = kItemRows == 64 ? 2 : 3;
 template <typename T, int kHeadDim, int kItemRows, int kWarp>
 __global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp>::kThreads), kTileBlocksPerSM<kItemRows>)
     multi_query_attention_kernel(BatchAttentionParams p) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
     trap();
   } else {
     multi_query_items<T, kHeadDim, kItemRows, kWarp>(p);
   }
+  pdl_launch_dependents();  // this block has read and written what it will
 }
 
 }  // namespace fk

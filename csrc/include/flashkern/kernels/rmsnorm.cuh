@@ -105,11 +105,13 @@ FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
 template <int kWarp, typename T, typename W, int kVec, bool kResidual>
 __global__ void __launch_bounds__(kRmsnormLimits.max_block_threads, 1)
     rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
     trap();
   } else {
     rmsnorm_rows<kWarp, T, W, kVec, kResidual>(p, plan);
   }
+  pdl_launch_dependents();  // this block has read and written what it will
 }
 
 // Each block walks rows blockIdx * rpb + g, stepping over the grid; each thread keeps dw for its
@@ -250,6 +252,7 @@ FK_DEVICE void rmsnorm_backward_rows(const RmsnormBackwardParams& p, const RowPl
 template <int kWarp, typename T, typename W, int kVec>
 __global__ void __launch_bounds__(kRmsnormBackwardLimits.max_block_threads)
     rmsnorm_backward_kernel(RmsnormBackwardParams p, RowPlan plan) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
     trap();
   } else {
@@ -263,6 +266,7 @@ inline constexpr int kReduceTile = 32;
 template <typename W>
 __global__ void __launch_bounds__(kReduceTile* kReduceTile)
     rmsnorm_dw_reduce_kernel(W* grad_weight, const float* partial, int64_t partial_rows, int64_t stride, int64_t cols) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   FK_STATIC_SHARED(float, sums, [kReduceTile][kReduceTile + 1]);
   const int64_t c = int64_t(blockIdx.x) * kReduceTile + threadIdx.x;
   float s = 0.f;
@@ -297,7 +301,7 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
           constexpr bool kResidual = decltype(res_c)::value;
           const RowPlan plan = plan_rows(p.rows, p.cols, kV, kResidual ? kFusedRmsnormLimits : kRmsnormLimits);
           const auto kernel = rmsnorm_kernel<kWarp, T, W, kV, kResidual>;
-          FK_LAUNCH(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), stream)(p, plan);
+          FK_LAUNCH_PDL(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream, p.pdl)(p, plan);
           return last_launch_error();
         });
       });

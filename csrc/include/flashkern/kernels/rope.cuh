@@ -78,6 +78,7 @@ FK_DEVICE void rope_head(const RopeParams& p, const T* x, T* y, int64_t position
 
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kRopeThreads) rope_kernel(RopeParams p) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
   const int items = rope_rotary_items<kVec>(p) + (p.in_place ? 0 : (p.head_dim - p.rotary_dim) / kVec);
   const int token_items = (p.q_heads + p.k_heads) * items;
   for (int64_t t = blockIdx.x; t < p.tokens; t += gridDim.x) {
