@@ -18,9 +18,10 @@ def workspace(device, mib=32):
 
 
 def cascade(device, groups_per_level, lengths_per_level, kv_heads, group, head_dim, dtype, page_size=16, seed=0,
-            min_chunk=None):
+            min_chunk=None, sinks=None):
     """groups_per_level[i]: the number of queries in each group of level i (their sum is the batch);
-    lengths_per_level[i]: each group's KV length. One paged cache holds every level's pages."""
+    lengths_per_level[i]: each group's KV length. One paged cache holds every level's pages. sinks:
+    run()'s, one logit per q head."""
     batch = sum(groups_per_level[0])
     all_kvs, tables, start = [], [], 0
     for sizes, lengths in zip(groups_per_level, lengths_per_level):
@@ -39,7 +40,7 @@ def cascade(device, groups_per_level, lengths_per_level, kv_heads, group, head_d
         wrapper._core._min_chunk = min_chunk
     wrapper.plan(*[list(t) for t in zip(*tables)], kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
-    wrapper.run(q, cache, out=out, lse=lse)
+    wrapper.run(q, cache, out=out, lse=lse, sinks=sinks)
 
     kvs = rounded(all_kvs, dtype)
     expected, first = [], 0
@@ -50,7 +51,7 @@ def cascade(device, groups_per_level, lengths_per_level, kv_heads, group, head_d
             ks.append(kvs[first + g][0])
             vs.append(kvs[first + g][1])
             first += len(lengths)
-        expected.append(attention(q[t], torch.cat(ks), torch.cat(vs)))
+        expected.append(attention(q[t], torch.cat(ks), torch.cat(vs), sinks=sinks))
     assert_close(out, torch.stack([o for o, _ in expected]), dtype)
     torch.testing.assert_close(lse.double().cpu(), torch.stack([s for _, s in expected]), **tolerance(torch.float32))
     return wrapper
@@ -69,6 +70,14 @@ def test_three_levels(device, page_size):
     """A system prompt for all, a document for each of two request groups, then each request's suffix."""
     cascade(device, [[5], [2, 3], [1] * 5], [[257], [64, 129], [3, 70, 1, 0, 12]], 2, 4, 128, torch.bfloat16,
             page_size=page_size, seed=1)
+
+
+def test_sinks(device):
+    """A sink logit per head counts once in each query's softmax over all its levels, however many
+    states are merged; a query without any key (no prefix, empty suffix) gets 0 and lse = the sink."""
+    sinks = rand((10,), torch.float32, device, seed=7) * 3
+    cascade(device, [[3, 2], [1] * 5], [[700, 0], [10, 0, 30, 0, 45]], 2, 5, 64, torch.bfloat16, seed=3,
+            min_chunk=64, sinks=sinks)
 
 
 def test_group_without_pages_at_a_level(device):
