@@ -18,10 +18,11 @@ def workspace(device, mib=32):
 
 
 def cascade(device, groups_per_level, lengths_per_level, kv_heads, group, head_dim, dtype, page_size=16, seed=0,
-            min_chunk=None, sinks=None):
+            min_chunk=None, sinks=None, causal=False):
     """groups_per_level[i]: the number of queries in each group of level i (their sum is the batch);
     lengths_per_level[i]: each group's KV length. One paged cache holds every level's pages. sinks:
-    run()'s, one logit per q head."""
+    run()'s, one logit per q head; causal: the last level's groups see their KV up to each query's
+    diagonal (a group's n queries are its last n tokens)."""
     batch = sum(groups_per_level[0])
     all_kvs, tables, start = [], [], 0
     for sizes, lengths in zip(groups_per_level, lengths_per_level):
@@ -38,7 +39,8 @@ def cascade(device, groups_per_level, lengths_per_level, kv_heads, group, head_d
     wrapper = MultiLevelCascadeAttentionWrapper(len(tables), workspace(device))
     if min_chunk is not None:
         wrapper._core._min_chunk = min_chunk
-    wrapper.plan(*[list(t) for t in zip(*tables)], kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
+    wrapper.plan(*[list(t) for t in zip(*tables)], kv_heads * group, kv_heads, head_dim, page_size, causal=causal,
+                 q_data_type=dtype)
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
     wrapper.run(q, cache, out=out, lse=lse, sinks=sinks)
 
@@ -46,10 +48,15 @@ def cascade(device, groups_per_level, lengths_per_level, kv_heads, group, head_d
     expected, first = [], 0
     for t in range(batch):  # query t's KV: its group's at every level, concatenated
         ks, vs, first = [], [], 0
-        for sizes, lengths in zip(groups_per_level, lengths_per_level):
-            g = int((torch.tensor(sizes).cumsum(0) <= t).sum())
-            ks.append(kvs[first + g][0])
-            vs.append(kvs[first + g][1])
+        for level, (sizes, lengths) in enumerate(zip(groups_per_level, lengths_per_level)):
+            ends = torch.tensor(sizes).cumsum(0)
+            g = int((ends <= t).sum())
+            k, v = kvs[first + g]
+            if causal and level == len(groups_per_level) - 1:  # token i of the group's n sees up to L - n + i
+                n, i = sizes[g], t - (int(ends[g]) - sizes[g])
+                k, v = k[: max(k.shape[0] - n + 1 + i, 0)], v[: max(k.shape[0] - n + 1 + i, 0)]
+            ks.append(k)
+            vs.append(v)
             first += len(lengths)
         expected.append(attention(q[t], torch.cat(ks), torch.cat(vs), sinks=sinks))
     assert_close(out, torch.stack([o for o, _ in expected]), dtype)
@@ -80,6 +87,16 @@ def test_sinks(device):
             min_chunk=64, sinks=sinks)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 5])
+def test_many_query_tokens_per_request(device, causal, group):
+    """The last level with several query tokens per request (speculative verification, an append to a
+    shared prefix), causal or not; upper levels seen whole: 3, 1, 7 and 13 tokens over suffixes of 40,
+    1, 7 (as many as its queries) and 100 tokens."""
+    cascade(device, [[24], [3, 1, 7, 13]], [[300], [40, 1, 7, 100]], 2, group, 64, torch.bfloat16, seed=4,
+            min_chunk=64, causal=causal)
+
+
 def test_group_without_pages_at_a_level(device):
     """Requests 0-1 share a prefix, requests 2-3 share none."""
     cascade(device, [[2, 2], [1] * 4], [[90, 0], [10, 20, 30, 40]], 1, 8, 64, torch.float16, seed=2)
@@ -106,8 +123,10 @@ def test_plan_checks(device):
     wrapper = MultiLevelCascadeAttentionWrapper(2, workspace(device, 4))
     qo, kv, idx, last = tables()
     wrapper.plan(qo, kv, idx, last, 8, 2, 64, 16)  # the valid tables plan
-    with pytest.raises(ValueError, match=r"qo_indptr_arr\[1\] must be arange\(batch \+ 1\)"):
-        wrapper.plan([qo[0], i32([0, 1, 3, 3])], kv, idx, last, 8, 2, 64, 16)
+    with pytest.raises(ValueError, match=r"qo_indptr_arr\[0\]\[-1\] must be the number of queries 4, got 3"):
+        wrapper.plan([qo[0], i32([0, 1, 3, 4])], kv, idx, last, 8, 2, 64, 16)  # the last level names the queries
+    with pytest.raises(TypeError, match="plan: causal must be a bool"):
+        wrapper.plan(qo, kv, idx, last, 8, 2, 64, 16, causal="yes")
     with pytest.raises(ValueError, match=r"qo_indptr_arr\[0\]\[-1\] must be the number of queries 3, got 2"):
         wrapper.plan([i32([0, 2]), qo[1]], kv, idx, last, 8, 2, 64, 16)
     with pytest.raises(ValueError, match=r"paged_kv_indptr_arr\[1\] must be non-decreasing"):
@@ -118,8 +137,8 @@ def test_plan_checks(device):
         wrapper.plan(qo, kv, [idx[0].long(), idx[1]], last, 8, 2, 64, 16)
     with pytest.raises(ValueError, match="paged_kv_indptr_arr must be a list of 2 tensors"):
         wrapper.plan(qo, kv[:1], idx, last, 8, 2, 64, 16)
-    with pytest.raises(ValueError, match="causal=True is not supported"):
-        wrapper.plan(qo, kv, idx, last, 8, 2, 64, 16, causal=True)
+    with pytest.raises(ValueError, match="window_left=128 is not supported"):
+        wrapper.plan(qo, kv, idx, last, 8, 2, 64, 16, window_left=128)
     with pytest.raises(ValueError, match="num_levels must be an int from 1 to 8"):
         MultiLevelCascadeAttentionWrapper(9, workspace(device, 1))
 

@@ -21,13 +21,15 @@ from ._validate import MAX_LEVELS, check_tensor
 class MultiLevelCascadeAttentionWrapper:
     """Decode attention over a hierarchy of KV levels, in one plan and one run.
 
-    Level 0 is the most shared. At level i, ``qo_indptr_arr[i]`` groups the batch's queries (one
-    query token per request) into the requests that share that level's KV, whose pages are listed
-    by that level's page table (``paged_kv_indptr_arr[i]``, ``paged_kv_indices_arr[i]``,
-    ``paged_kv_last_page_len[i]``, int32, CSR as in BatchDecodeWithPagedKVCacheWrapper; a group with
-    no pages at a level contributes nothing). Each query's output is attention over the union of its
-    groups' KV at every level. The last level is per request: ``qo_indptr_arr[-1]`` must be
-    ``arange(batch + 1)`` (decode; causal prefill is not supported). Up to 8 levels.
+    Level 0 is the most shared. At level i, ``qo_indptr_arr[i]`` groups the batch's query tokens
+    into the groups that share that level's KV, whose pages are listed by that level's page table
+    (``paged_kv_indptr_arr[i]``, ``paged_kv_indices_arr[i]``, ``paged_kv_last_page_len[i]``, int32,
+    CSR as in BatchDecodeWithPagedKVCacheWrapper; a group with no pages at a level contributes
+    nothing). Each query's output is attention over the union of its groups' KV at every level. The
+    last level is per request: ``qo_indptr_arr[-1]`` gives each request its query tokens (one for
+    decode, several for speculative verification or an append). With ``causal=True`` a request's
+    ``n`` query tokens are the last ``n`` tokens of its last-level KV, and token i sees that level's
+    tokens ``j <= kv_len - n + i``; the upper levels are seen whole, as FlashInfer does. Up to 8 levels.
 
     ``use_cuda_graph=True`` needs the fixed int32 buffers ``qo_indptr_buf_arr``,
     ``paged_kv_indptr_buf_arr``, ``paged_kv_indices_buf_arr`` and ``paged_kv_last_page_len_buf_arr``
@@ -69,7 +71,9 @@ class MultiLevelCascadeAttentionWrapper:
              rope_theta=None, q_data_type="float16", kv_data_type=None):
         """Plan the cascade (see the class docstring); every page table is checked here, on the host."""
         op = "MultiLevelCascadeAttentionWrapper.plan"
-        reject_unsupported(op, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+        if causal not in (False, True):
+            raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
+        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
         q_dtype = attention_dtype(op, "q_data_type", q_data_type)
         kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
@@ -80,7 +84,7 @@ class MultiLevelCascadeAttentionWrapper:
                 raise ValueError(f"{op}: {name} must be a list of {self._num_levels} tensors (one per level)")
         last_qo = qo_indptr_arr[-1]
         check_tensor(op, f"qo_indptr_arr[{self._num_levels - 1}]", last_qo)
-        batch = last_qo.shape[0] - 1 if last_qo.dim() == 1 else -1
+        requests = last_qo.shape[0] - 1 if last_qo.dim() == 1 else -1
         levels, device_indices = [], []
         for i in range(self._num_levels):
             kv = paged_kv_indptr_arr[i]
@@ -94,17 +98,15 @@ class MultiLevelCascadeAttentionWrapper:
             indices_h = host_int32(op, f"paged_kv_indices_arr[{i}]", paged_kv_indices_arr[i])
             last_h = host_int32(op, f"paged_kv_last_page_len[{i}]", paged_kv_last_page_len[i], groups)
             levels.append((qo_h, kv_h, indices_h, last_h))
-            device_indices.append(self._device_indices(op, i, paged_kv_indices_arr[i], arrays, batch))
-        if not torch.equal(levels[-1][0], torch.arange(batch + 1, dtype=torch.int32)):
-            raise ValueError(f"{op}: qo_indptr_arr[{self._num_levels - 1}] must be arange(batch + 1): one query per "
-                             "request at the last level (decode; causal prefill is not supported)")
+            device_indices.append(self._device_indices(op, i, paged_kv_indices_arr[i], arrays, requests))
+        batch = int(levels[-1][0][-1]) if requests >= 0 else 0  # the query tokens (the planner checks the rest)
         self._core._plan(op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-                         q_dtype, kv_dtype, names, True, ALL_KINDS)
+                         q_dtype, kv_dtype, names, True, ALL_KINDS, causal=causal)
 
     begin_forward = plan
 
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, *, sinks=None):
-        """q ``[batch, num_qo_heads, head_dim]`` -> out (q's dtype), and lse ``[batch, num_qo_heads]``
+        """q ``[tokens, num_qo_heads, head_dim]`` -> out (q's dtype), and lse ``[tokens, num_qo_heads]``
         float32 (natural log) with ``return_lse``. ``sinks`` ``[num_qo_heads]``: one more logit per
         head, of value zero, in each query's softmax over all its levels (as in
         BatchDecodeWithPagedKVCacheWrapper.run); lse includes it."""
@@ -113,7 +115,7 @@ class MultiLevelCascadeAttentionWrapper:
 
     forward = run
 
-    def _device_indices(self, op, level, indices, arrays, batch):
+    def _device_indices(self, op, level, indices, arrays, requests):
         if not self._core.is_cuda_graph_enabled:
             return indices.to(self._core._device)
         qo_buf, kv_buf, indices_buf, last_buf = (b[level] for b in self._buffers)
@@ -122,6 +124,6 @@ class MultiLevelCascadeAttentionWrapper:
                                  ("paged_kv_last_page_len_buf_arr", last_buf, last),
                                  ("paged_kv_indices_buf_arr", indices_buf, indices)):
             fill_buffer(op, f"{name}[{level}]", buf, value)
-        if level == self._num_levels - 1 and qo_buf.shape[0] != batch + 1:
-            raise ValueError(f"{op}: under CUDA graphs the batch size is fixed at {qo_buf.shape[0] - 1}, got {batch}")
+        if level == self._num_levels - 1 and qo_buf.shape[0] != requests + 1:
+            raise ValueError(f"{op}: under CUDA graphs the batch size is fixed at {qo_buf.shape[0] - 1}, got {requests}")
         return indices_buf
