@@ -170,7 +170,8 @@ def test_cuda_attention_ptx(cuda_build, arch):
 
 PDL_LAUNCHED = ["rmsnorm_kernel", "act_and_mul_kernel", "decode_attention_kernel", "multi_query_attention_kernel",
                 "merge_partials_kernel"]  # launched with enable_pdl: they let the next kernel start launching
-GLOBAL_ACCESS = r"\b(ld|st|atom|red)\.global|cp\.async\.(cg|ca)\.shared\.global"
+# global or generic-address loads, stores, atomics and copies (not parameters, shared, local or constant memory)
+GLOBAL_ACCESS = r"\b(ld|st|atom|red)\.(?!param|shared|local|const)|cp\.async\.(bulk\.)?\w*\.?shared[:\w]*\.global"
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])

@@ -43,18 +43,22 @@ def test_pdl_gives_the_same_bits(device):
 
 @requires_gpu
 def test_pdl_in_a_cuda_graph():
-    """The chain captured with enable_pdl=True (programmatic edges in the graph), replayed on new inputs,
+    """The chain captured with enable_pdl=True (programmatic edges in the graph; the first kernel right
+    after a device-to-device copy, which is no kernel and so a full dependency), replayed on new inputs,
     equals the chain run eagerly without PDL."""
     wrapper, cache = decode_case("cuda")
-    x, residual = rand((3, 2048), torch.bfloat16, "cuda", seed=54), rand((3, 2048), torch.bfloat16, "cuda", seed=55)
+    source = rand((3, 2048), torch.bfloat16, "cuda", seed=54)
+    x, residual = torch.empty_like(source), rand((3, 2048), torch.bfloat16, "cuda", seed=55)
     w = rand((2048,), torch.bfloat16, "cuda", seed=53)
+    x.copy_(source)
     layer(x, residual, w, wrapper, cache, True)  # warm up (opt-ins, caches) outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        x.copy_(source)  # a copy node, then the PDL kernels
         out = layer(x, residual, w, wrapper, cache, True)
     for seed in (56, 58):
         x0, r0 = rand((3, 2048), torch.bfloat16, "cuda", seed=seed), rand((3, 2048), torch.bfloat16, "cuda", seed=seed + 1)
-        x.copy_(x0)
+        source.copy_(x0)
         residual.copy_(r0)
         graph.replay()
         torch.cuda.synchronize()

@@ -177,51 +177,49 @@ FK_DEVICE void pdl_launch_dependents() {
 #endif
 
 #if defined(FK_CUDA)
-// Whether `device` runs programmatic dependent launches (compute capability 9.0+), asked once per
-// device (devices 0-63; others are asked on every launch).
-inline bool gpuHasPdl(int device) {
-  static std::atomic<uint64_t> known{0}, has{0};  // a bit per device
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
-  if (bit != 0 && (known.load(std::memory_order_relaxed) & bit)) return (has.load(std::memory_order_relaxed) & bit) != 0;
-  int major = 0;
-  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
-  if (bit != 0) {
-    if (yes) has.fetch_or(bit, std::memory_order_relaxed);
-    known.fetch_or(bit, std::memory_order_relaxed);
-  }
-  return yes;
-}
-
-// kernel<<<grid, block, smem, stream>>>(args...), through cudaLaunchKernelEx with programmatic stream
-// serialization when pdl and the current device has it. Errors are left for gpuGetLastError.
-template <typename... Params>
+// kKernel<<<grid, block, smem, stream>>>(args...), through cudaLaunchKernelEx with programmatic stream
+// serialization when pdl and the launch can take it: the device has PDL (compute capability 9.0+)
+// and the code it runs has the waits, i.e. was compiled for compute 9.0+ (an sm_80-only build
+// JIT-compiled on a Hopper has none). Asked once per kernel and device (devices 0-63; others on
+// every launch). Errors are left for gpuGetLastError, as a <<<>>> launch leaves them.
+template <auto kKernel>
 struct PdlLauncher {
-  void (*kernel)(Params...);
   dim3 grid, block;
   int smem;
   cudaStream_t stream;
   bool pdl;
+
+  static bool waits_on(int device) {
+    static std::atomic<int8_t> known[64];  // 0: not asked yet, 1: yes, 2: no
+    if (device >= 0 && device < 64 && known[device].load(std::memory_order_relaxed) != 0)
+      return known[device].load(std::memory_order_relaxed) == 1;
+    int major = 0;
+    cudaFuncAttributes attributes{};
+    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                     major >= 9 && cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
+                     attributes.ptxVersion >= 90;
+    if (!yes) (void)cudaGetLastError();  // a failed query is no launch error: the launch is a plain one
+    if (device >= 0 && device < 64) known[device].store(yes ? 1 : 2, std::memory_order_relaxed);
+    return yes;
+  }
+
   template <typename... Args>
   void operator()(Args&&... args) const {
-    if (pdl && gpuHasPdl(gpuCurrentDevice())) {
-      cudaLaunchAttribute attribute[1];
+    if (pdl && waits_on(gpuCurrentDevice())) {
+      cudaLaunchAttribute attribute[1] = {};
       attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute[0].val.programmaticStreamSerializationAllowed = 1;
       cudaLaunchConfig_t config{};
       config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = size_t(smem), config.stream = stream;
       config.attrs = attribute, config.numAttrs = 1;
-      (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // its error is also the last error
+      (void)cudaLaunchKernelEx(&config, kKernel, std::forward<Args>(args)...);  // its error is also the last error
     } else {
-      kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+      kKernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
     }
   }
 };
-template <typename... Params>
-PdlLauncher<Params...> pdl_launcher(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                                    bool pdl) {
-  return {kernel, grid, block, smem, stream, pdl};
-}
-#define FK_LAUNCH_PDL(kernel, grid, block, smem, stream, pdl) ::fk::pdl_launcher(kernel, grid, block, smem, stream, pdl)
+// kernel: a constant expression (a kernel template instantiation, or a constexpr pointer to one)
+#define FK_LAUNCH_PDL(kernel, grid, block, smem, stream, pdl) ::fk::PdlLauncher<kernel>{grid, block, smem, stream, pdl}
 #else
 #define FK_LAUNCH_PDL(kernel, grid, block, smem, stream, pdl) FK_LAUNCH_SMEM(kernel, grid, block, smem, stream)
 #endif

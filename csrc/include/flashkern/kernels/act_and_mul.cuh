@@ -101,7 +101,7 @@ inline const char* run_act_and_mul(const ActAndMulParams& p, gpuStream_t stream)
       return with_bool(wide, [&](auto wide_c) {
         constexpr int kV = decltype(wide_c)::value ? kVec16<T> : 1;
         const ActPlan plan = plan_act_and_mul(p.rows, p.cols, kV);
-        const auto kernel = act_and_mul_kernel<T, decltype(act_c)::value, kV>;
+        constexpr auto kernel = act_and_mul_kernel<T, decltype(act_c)::value, kV>;
         FK_LAUNCH_PDL(kernel, plan.grid, dim3(kActThreads), 0, stream, p.pdl)(p, plan);
         return last_launch_error();
       });

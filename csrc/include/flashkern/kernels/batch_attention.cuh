@@ -127,7 +127,7 @@ const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t strea
       if (p.grid[3] > 0 && p.batch > 0) {
         constexpr int kRowsPerBlock = kMergeBlock / (D / kVec16Bit);
         const int64_t blocks = ceil_div(int64_t(p.batch) * p.qo_heads, kRowsPerBlock);
-        const auto merge = merge_partials_kernel<T, D>;
+        constexpr auto merge = merge_partials_kernel<T, D>;
         FK_LAUNCH_PDL(merge, dim3(unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks)), dim3(kMergeBlock), 0, stream,
                       p.pdl)(p);
         error = last_launch_error();

@@ -300,7 +300,7 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
         return with_bool(residual, [&](auto res_c) {
           constexpr bool kResidual = decltype(res_c)::value;
           const RowPlan plan = plan_rows(p.rows, p.cols, kV, kResidual ? kFusedRmsnormLimits : kRmsnormLimits);
-          const auto kernel = rmsnorm_kernel<kWarp, T, W, kV, kResidual>;
+          constexpr auto kernel = rmsnorm_kernel<kWarp, T, W, kV, kResidual>;
           FK_LAUNCH_PDL(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream, p.pdl)(p, plan);
           return last_launch_error();
         });
