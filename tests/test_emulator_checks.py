@@ -113,7 +113,7 @@ MUTANTS = {
     ),
     "1025_threads": (
         "include/flashkern/kernels/batch_attention.cuh",
-        "dim3(kMergeBlock), stream)(p);", "dim3(1025), stream)(p);",
+        "dim3(kMergeBlock), 0, stream,", "dim3(1025), 0, stream,",
         None, "test_batch_attention_kernels and cuda-24-128", r"invalid configuration argument",
     ),
 }
