@@ -14,7 +14,14 @@ import math
 import torch
 
 from . import _C, _backend, ref
-from ._validate import ATTENTION_DTYPES, check_aligned, check_batch_attention, check_head_dim, check_tensor
+from ._validate import (
+    ATTENTION_DTYPES,
+    check_aligned,
+    check_batch_attention,
+    check_head_dim,
+    check_positive_int,
+    check_tensor,
+)
 
 _ops = torch.ops.flashkern
 
@@ -114,10 +121,8 @@ def csr_page_table(op, indptr, indices, last_page_len, block_tables, seq_lens, p
     """FlashInfer's fixed-width page table, seq_lens [batch] and block_tables [batch, max_pages]
     (request b's pages: the first ceil(seq_lens[b] / page_size) entries of row b), as the CSR
     (indptr, indices, last_page_len) the planner takes, on the host. The CSR may be None when both
-    are given; where both forms are given they must describe the same pages."""
+    are given; where both forms are given they must describe the same pages. page_size: checked."""
     given = (indptr, indices, last_page_len)
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"{op}: page_size must be a positive int, got {page_size!r}")
     csr = None
     if any(t is not None for t in given):
         if any(t is None for t in given):
@@ -220,8 +225,7 @@ class PagedAttention:
         dry_run: returns the workspace bytes the plan needs (at its preferred split) instead."""
         check_head_dim(op, head_dim)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
+            check_positive_int(op, name, value)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{op}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if kv_dtype != q_dtype:

@@ -198,6 +198,12 @@ def check_enable_pdl(op, enable_pdl):
     return bool(enable_pdl)
 
 
+def check_positive_int(op, name, value, what=""):
+    """A count (heads, page_size, tokens a request, pages a split): an int >= 1, never a bool."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{op}: {name} must be a positive int{what}, got {value!r}")
+
+
 def check_head_dim(op, head_dim):
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"{op}: head_dim must be 64, 128 or 256, got {head_dim}")

@@ -19,7 +19,7 @@ from ._paged_attention import (
     host_int32,
     reject_unsupported,
 )
-from ._validate import check_enable_pdl, check_tensor
+from ._validate import check_enable_pdl, check_positive_int, check_tensor
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -111,15 +111,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
                         data_type, sm_scale, rope_scale, rope_theta, block_tables, seq_lens, fixed_split_size,
                         disable_split_kv, q_len_per_req, dry_run=False):
         """plan() and workspace_size(): FlashInfer's arguments to the planner's."""
-        if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
-            raise ValueError(f"{op}: q_len_per_req must be a positive int, got {q_len_per_req!r}")
+        check_positive_int(op, "page_size", page_size)
+        check_positive_int(op, "q_len_per_req", q_len_per_req)
         if disable_split_kv not in (False, True):
             raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
         split_tokens = MAX_KV_LENGTH if disable_split_kv else None
         if fixed_split_size is not None and not disable_split_kv:
-            if not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool) or fixed_split_size < 1:
-                raise ValueError(f"{op}: fixed_split_size must be a positive int (pages), got {fixed_split_size!r}")
-            split_tokens = min(fixed_split_size * page_size, MAX_KV_LENGTH) if isinstance(page_size, int) else None
+            check_positive_int(op, "fixed_split_size", fixed_split_size, " (pages)")
+            split_tokens = min(fixed_split_size * page_size, MAX_KV_LENGTH)
         if block_tables is not None or seq_lens is not None:
             indptr, indices, last_page_len = csr_page_table(op, indptr, indices, last_page_len, block_tables,
                                                             seq_lens, page_size)
