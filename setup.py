@@ -100,6 +100,7 @@ class BuildKernelsThenExtension(BuildExtension):
 
 
 CXX_FLAGS = ["-O2", "-std=c++20", "-fvisibility=hidden"]
+GLUE_HEADERS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "torch").rglob("*.h"))]  # rebuild on edits
 
 
 def extension():
@@ -121,6 +122,7 @@ def extension():
         include_dirs=[str(ROOT / "csrc" / "include")],
         define_macros=[("FLASHKERN_BACKEND", f'"{BACKEND}"'), ("FLASHKERN_ARCHS", f'"{ARCHS}"')],
         extra_compile_args={"cxx": CXX_FLAGS},
+        depends=GLUE_HEADERS,
         libraries=libraries,
         library_dirs=library_dirs,
     )
@@ -131,7 +133,8 @@ def emulated_extensions():
     if not EMULATE:
         return []
     return [CppExtension(f"flashkern.{module}", [f"csrc/torch/emulated_ops{module[len('_emulate'):]}.cpp"],
-                         include_dirs=[str(ROOT / "csrc" / "include")], extra_compile_args={"cxx": CXX_FLAGS})
+                         include_dirs=[str(ROOT / "csrc" / "include")], extra_compile_args={"cxx": CXX_FLAGS},
+                         depends=["csrc/torch/gpu_ops.cpp", *GLUE_HEADERS])
             for module in EMULATED]
 
 

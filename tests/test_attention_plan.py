@@ -25,50 +25,61 @@ def plan_of(wrapper):
 
 def check_plan(wrapper, levels, group, causal=False):
     """levels: [(qo_indptr, kv_indptr, last_page_len)] as lists; page_size from the plan; causal: the
-    last level's groups are causal (each item's diagonal: the group's length minus its queries)."""
-    info, (items, indptr, merge_indices) = plan_of(wrapper)
+    last level's groups are causal (query i of a group of n sees the tokens up to i + length - n)."""
+    info, (items, indptr, merge_indices, identity) = plan_of(wrapper)
     batch, page_size, chunk = info["batch"], info["page_size"], info["chunk"]
-    assert chunk % 64 == 0
-    covered, slots_of = {}, {t: [] for t in range(batch)}
+    assert chunk % 64 == 0 and identity == 0
+    covered, slots_of = {}, {t: set() for t in range(batch)}
     for kind, kind_items in enumerate(items):
         lengths = [i[6] - i[5] for i in kind_items]
         assert lengths == sorted(lengths, reverse=True), "longest chunks first"
-        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin, diagonal in kind_items:
-            qo, kv, last = levels[level]
+        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_base, first, last, mask, length in \
+                kind_items:
+            qo, kv, last_len = levels[level]
             g = next(j for j in range(len(qo) - 1) if qo[j] == q_begin and qo[j + 1] - qo[j] == n_q)
             assert page_begin == kv[g]
             pages = kv[g + 1] - kv[g]
-            length = (pages - 1) * page_size + last[g]
+            assert length == (pages - 1) * page_size + last_len[g]
             assert kv_begin % chunk == 0 and kv_end == min(length, kv_begin + chunk) and kv_begin < kv_end
-            assert diagonal == (length - n_q if causal and level == len(levels) - 1 else 1 << 30)
+            assert last == (length - n_q if causal and level == len(levels) - 1 else 1 << 30)
+            assert first == -(1 << 30) and mask == -1
             expected_kind = 0 if n_q == 1 and group <= 4 else 1 if n_q * group <= 16 else 2
             assert kind == expected_kind
             rows = range(row_begin, min(row_begin + KIND_ROWS[kind], n_q * group))
             assert row_begin % KIND_ROWS[kind] == 0 and len(rows) > 0
-            for r in rows:
-                key = (level, q_begin + r // group, r % group)
-                covered.setdefault(key, []).append((kv_begin, kv_end))
-            for t in range(q_begin, q_begin + n_q):
-                if row_begin == 0:
-                    slots_of[t].append(slot_begin + t - q_begin)
-    # every row of every group with KV at every level: chunks that tile [0, length) exactly once
-    for level, (qo, kv, last) in enumerate(levels):
+            seeing = [r for r in rows if max(kv_begin, r // group + first) < min(kv_end, r // group + last + 1)]
+            assert seeing, "an item some row of which sees its chunk"
+            for r in seeing:
+                t = q_begin + r // group
+                covered.setdefault((level, t, r % group), []).append((kv_begin, kv_end))
+                slots_of[t].add(slot_base + t)
+    # every row of every group with KV at every level: chunks that cover what it sees exactly once
+    states = {t: 0 for t in range(batch)}
+    for level, (qo, kv, last_len) in enumerate(levels):
         for g in range(len(qo) - 1):
             pages = kv[g + 1] - kv[g]
-            length = (pages - 1) * page_size + last[g] if pages else 0
+            length = (pages - 1) * page_size + last_len[g] if pages else 0
+            n_q = qo[g + 1] - qo[g]
             for t in range(qo[g], qo[g + 1]):
+                end = min(length, t - qo[g] + length - n_q + 1) if causal and level == len(levels) - 1 else length
                 for h in range(group):
                     spans = sorted(covered.pop((level, t, h), []))
-                    if length == 0:
+                    if end <= 0:
                         assert spans == []
                         continue
-                    assert spans[0][0] == 0 and spans[-1][1] == length
+                    assert spans[0][0] == 0 and spans[-1][0] < end <= spans[-1][1], (spans, end)
                     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+                states[t] += -(-max(end, 0) // chunk)
     assert not covered, f"rows outside every group: {list(covered)[:5]}"
-    all_slots = [s for t in range(batch) for s in slots_of[t]]
-    assert len(all_slots) == len(set(all_slots)) == info["slots"]
     for t in range(batch):
-        assert sorted(merge_indices[indptr[t] : indptr[t + 1]]) == sorted(slots_of[t])
+        listed = merge_indices[indptr[t] : indptr[t + 1]]
+        assert len(listed) == states[t]
+        if states[t] == 1:
+            assert listed == [-1]  # written by the attention kernel: no slot
+        else:
+            assert sorted(listed) == sorted(slots_of[t]) and len(slots_of[t]) == states[t]
+    all_slots = [s for t in range(batch) if states[t] > 1 for s in slots_of[t]]
+    assert len(all_slots) == len(set(all_slots)) and all(0 <= s < info["slots"] for s in all_slots)
     return info
 
 
@@ -161,3 +172,23 @@ def test_a_small_workspace_grows_the_chunks():
     small = decode_plan([30000] * 2, budget=10**6, workspace=1 << 20)
     capacity = _C.workspace_layout(1 << 20, 2, 32, 128)[2]  # about 60 states of 32 x 128 floats
     assert small["chunk"] > big["chunk"] and small["slots"] <= capacity < big["slots"]
+
+
+def test_long_causal_prefill_plan():
+    """A 32K-token append to a 128K-token sequence (GQA group 8, on an H200-sized device) and a 32K
+    prompt: causal row tiles get only the chunks up to their diagonal, the split fills the device,
+    and the workspace the plan needs stays small (only queries that merge have partial states)."""
+    qo, kv = 32768, 131072
+    wrapper = flashkern.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8))
+    wrapper._core._cta_budget = 264
+    args = (i32([0, qo, 2 * qo]), i32([0, kv, kv + qo]), 64, 8, 128)
+    needed = wrapper._plan_ragged(**flashkern.prefill._ragged_arguments(*args, {"causal": True}), dry_run=True)
+    assert needed < 256 << 20
+    wrapper.reset_workspace_buffer(torch.empty(needed, dtype=torch.uint8))
+    wrapper.plan(*args, causal=True)
+    info, (items, indptr, merge_indices, identity) = plan_of(wrapper)
+    assert identity == 1 and info["chunk"] % 64 == 0
+    tiles = 2 * qo * 8 // 64
+    assert sum(info["counts"]) >= tiles  # every row tile has work
+    for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_base, first, last, mask, length in items[2]:
+        assert kv_begin <= (min(row_begin + 64, n_q * 8) - 1) // 8 + last  # no item lies past its last row's diagonal

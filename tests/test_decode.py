@@ -152,7 +152,7 @@ def planned(device, dtype=torch.float16):
     (lambda a: {**a, "kv_data_type": torch.bfloat16}, TypeError, "kv_data_type must equal q_data_type"),
     (lambda a: {**a, "page_size": 0}, ValueError, "page_size must be a positive int"),
     (lambda a: {**a, "pos_encoding_mode": "ROPE_LLAMA"}, ValueError, "pos_encoding_mode='ROPE_LLAMA' is not supported"),
-    (lambda a: {**a, "logits_soft_cap": 30.0}, ValueError, "logits_soft_cap=30.0 is not supported"),
+    (lambda a: {**a, "logits_soft_cap": -1.0}, ValueError, "logits_soft_cap must be None, 0 or a finite number >= 1e-6"),
 ])
 def test_plan_rejects_bad_page_tables(device, change, error, match):
     args = {"indptr": i32([0, 2, 3]), "indices": i32([0, 1, 2]), "last_page_len": i32([4, 5]), "num_qo_heads": 8,
@@ -189,8 +189,8 @@ def test_run_checks_shapes_against_the_plan(device):
 def test_workspace_checks(device):
     with pytest.raises(ValueError, match="workspace_buffer must be a contiguous 1-D tensor of 1-byte elements"):
         BatchDecodeWithPagedKVCacheWrapper(torch.empty(100, dtype=torch.float32, device=device))
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(2048, dtype=torch.uint8, device=device))
-    with pytest.raises(ValueError, match="workspace is too small"):
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(512, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="workspace is too small"):  # not even the per-query part
         wrapper.plan(i32([0, 1, 2]), i32([0, 1]), i32([3, 3]), 32, 8, 128, 16)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):
         BatchDecodeWithPagedKVCacheWrapper(workspace(device, 1), use_cuda_graph=True)
@@ -361,10 +361,11 @@ def test_flashinfer_plan_and_run_parameters(device):
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="plan: window_right=-1 is not supported by flashkern"):
         wrapper.plan(*tables, 8, 2, 64, 16, q_data_type=torch.float16, window_right=-1)
-    for name, value in (("window_left", 128), ("skip_softmax_threshold_scale_factor", 0.5),
-                        ("kv_cache_sf", (cache, cache))):
+    for name, value in (("skip_softmax_threshold_scale_factor", 0.5), ("kv_cache_sf", (cache, cache))):
         with pytest.raises(ValueError, match=f"run: {name}.* not supported by flashkern"):
             wrapper.run(q, cache, **{name: value})
+    with pytest.raises(ValueError, match="run: window_left=128 differs from the plan's -1"):  # the window is planned
+        wrapper.run(q, cache, window_left=128)
     with pytest.raises(ValueError, match="run: q_len_per_req=2 differs from the plan's 1"):
         wrapper.run(q, cache, q_len_per_req=2)
     with pytest.raises(ValueError, match="run: k_scale must be None or a finite number"):

@@ -73,7 +73,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_rope": [P, P, P, P, P, I, P, P, L, L, I, I, I, I, I64, I, I, I, I],
         "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
         "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, ctypes.POINTER(ctypes.c_int32), I, P, P, P,
-                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I],
+                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I, P, L, F],
         "emu_launch_probe": [I, I, I, I],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
@@ -366,6 +366,7 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, s
     pointers = (ctypes.c_void_p * len(indices))(*[ptr(t) for t in indices])
     entries = (ctypes.c_int32 * len(indices))(*[t.numel() for t in indices])
     grid = (ctypes.c_int * 4)(*(grid or info["grid"]))
+    mask = info["custom_mask"]
     # the plan's words and the partial states the plan uses, each its own exact buffer
     states = info["slots"] * q.shape[1]
     plan = ws[: 4 * info["words"]]
@@ -375,7 +376,8 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, s
                                ptr(plan), ptr(partial_s), ptr(partial_v), grid,
                                q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.shape[1],
                                ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype], ptr(sinks), ctypes.c_float(out_scale),
-                               DTYPE[out.dtype]))
+                               DTYPE[out.dtype], ptr(mask), 0 if mask is None else mask.numel(),
+                               ctypes.c_float(info["logits_soft_cap"])))
     return out, lse
 
 
@@ -576,6 +578,56 @@ def test_batch_attention_kernels_sinks_out_dtype_and_scale(attention_lib, group)
                     torch.float16)
 
 
+@pytest.mark.parametrize("group", [2, 5, 8])  # 16-row tiles, 64-row tiles with queries straddling two, 64-row
+def test_prefill_kernels_masks(attention_lib, group):
+    """Prefill (ragged KV: one-token pages, the identity page table) through every tile shape: causal
+    with a sliding window and a soft cap, split; a custom mask (random, a row that sees nothing)."""
+    from test_prefill import expected_batch, indptr, random_masks, ragged
+
+    from paged_kv import random_kv, rounded
+
+    import flashkern
+
+    dtype = torch.float16
+    for qo_lens, kv_lens, options in (([6, 40], [6, 300], dict(causal=True, window_left=17, logits_soft_cap=30.0)),
+                                      ([7, 3], [20, 9], dict(masks=True))):
+        kvs = random_kv(kv_lens, 2, 64, seed=45)
+        q = rand((sum(qo_lens), 2 * group, 64), dtype, "cpu", scale=3.0, seed=46)
+        masks = None
+        if options.pop("masks", False):
+            masks = random_masks(qo_lens, kv_lens, 47)
+            masks[0][2] = False
+            options["custom_mask"] = torch.cat([m.reshape(-1) for m in masks])
+        wrapper = flashkern.BatchPrefillWithRaggedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8))
+        wrapper._core._min_chunk = 64
+        wrapper.plan(indptr(qo_lens), indptr(kv_lens), 2 * group, 2, 64, q_data_type=dtype, **options)
+        k, v = ragged(kvs, dtype, "cpu")
+        out, lse = run_attention(attention_lib, wrapper, q, (k[:, None], v[:, None]))
+        eo, e_lse = expected_batch(q, rounded(kvs, dtype), qo_lens, options.get("causal", False),
+                                   options.get("window_left", -1), masks, options.get("logits_soft_cap"))
+        check_attention(out, lse, eo, e_lse, dtype)
+
+
+def test_decode_kernel_window_and_soft_cap(attention_lib):
+    """The decode kernel (one query, GQA group <= 4): a window trims the chunk's start, split or not."""
+    from test_prefill import expected_batch
+
+    from paged_kv import paged, random_kv, rounded
+
+    import flashkern
+
+    lengths, dtype = [300, 5, 70], torch.bfloat16
+    kvs = random_kv(lengths, 2, 128, seed=48)
+    cache, kv_indptr, kv_indices, last = paged(kvs, 16, "NHD", dtype, seed=48)
+    q = rand((3, 4, 128), dtype, "cpu", scale=3.0, seed=49)
+    wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(kv_indptr, kv_indices, last, 4, 2, 128, 16, q_data_type=dtype, window_left=100, logits_soft_cap=20.0)
+    assert wrapper._core._plan_info["counts"][0] > 3  # the long request is split, its first chunks skipped
+    eo, e_lse = expected_batch(q, rounded(kvs, dtype), [1, 1, 1], False, 100, cap=20.0)
+    check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, dtype)
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -605,3 +657,5 @@ def test_every_kernel_and_path(attention_lib):
     test_batch_attention_kernels_causal_queries(lib, 5, 13)
     test_batch_attention_kernels_sinks_out_dtype_and_scale(lib, 8)
     test_cascade_kernels(lib, 5)
+    test_prefill_kernels_masks(lib, 5)
+    test_decode_kernel_window_and_soft_cap(lib)

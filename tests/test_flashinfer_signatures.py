@@ -23,6 +23,9 @@ import flashkern
 #   rope:       flashinfer/rope/rope.py      @ 30315c17ac74e668a09ffaa785fa94a7a4cea2d7 (exported by rope/__init__.py)
 #   cascade:    flashinfer/cascade.py        @ 01c897d7075594003c411c0aa5e3befdf0bcae94 (merge_state*, cascade wrapper)
 #   decode:     flashinfer/decode.py         @ 002752ae3615318e75b95e2eeb716242233c0fdd
+#   prefill:    flashinfer/prefill.py        @ 002920bf8256465171c95d76519ea1cf35244865
+# single_prefill_with_kv_cache_return_lse is functools.partial(single_prefill_with_kv_cache,
+# return_lse=True) in both libraries.
 # BatchDecodeWithPagedKVCacheWrapper.plan is written as what it accepts: its literal signature is
 # (indptr, ..., page_size, *deprecated_positional_args, **kwargs) since PR #3794; the optional
 # parameters are still taken positionally (deprecated), in the order of _BATCH_DECODE_PLAN_LEGACY_POS_ARGS,
@@ -47,6 +50,36 @@ DECODE_RUN = ("q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=Non
               "skip_softmax_threshold_scale_factor=None, kv_cache_sf=None")
 DECODE_FORWARD = ("q, paged_kv_cache, pos_encoding_mode='NONE', q_scale=None, k_scale=None, v_scale=None, "
                   "window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None")
+
+PREFILL_OPTIONS = ("custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode='NONE', "
+                   "use_fp16_qk_reduction=False")
+PAGED_PLAN_TAIL = ("prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, "
+                   "seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None, "
+                   "max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False")
+PAGED_PLAN = ("qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads, "
+              f"head_dim_qk, page_size, head_dim_vo=None, {PREFILL_OPTIONS}, sm_scale=None, window_left=-1, "
+              "logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type='float16', kv_data_type=None, "
+              f"o_data_type=None, non_blocking=True, {PAGED_PLAN_TAIL}")
+PAGED_RUN = ("q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, "
+             "return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None, "
+             "skip_softmax_threshold_scale_factor=None")
+PAGED_FORWARD = ("q, paged_kv_cache, causal=False, pos_encoding_mode='NONE', use_fp16_qk_reduction=False, "
+                 "k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, "
+                 "rope_theta=None")
+RAGGED_PLAN = (f"qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, {PREFILL_OPTIONS}, "
+               "window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, "
+               "q_data_type='float16', kv_data_type=None, o_data_type=None, non_blocking=True, prefix_len_ptr=None, "
+               "token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None, "
+               "disable_split_kv=False, seq_lens=None, seq_lens_q=None, max_token_per_sequence=None, "
+               "max_sequence_kv=None, v_indptr=None, o_indptr=None")
+RAGGED_RUN = ("q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None, lse=None, "
+              "return_lse=False, enable_pdl=None, kv_cache_sf=None")
+RAGGED_FORWARD = ("q, k, v, causal=False, pos_encoding_mode='NONE', use_fp16_qk_reduction=False, window_left=-1, "
+                  "logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None")
+SINGLE_PREFILL = ("q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None, "
+                  "packed_custom_mask=None, causal=False, kv_layout='NHD', pos_encoding_mode='NONE', "
+                  "use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None, "
+                  "rope_theta=None, backend='auto', return_lse=False, kv_cache_sf=None, k_scale=None, v_scale=None")
 
 FLASHINFER = {
     "rmsnorm": "input, weight, eps=1e-6, out=None, enable_pdl=None",
@@ -95,6 +128,35 @@ FLASHINFER = {
     "MultiLevelCascadeAttentionWrapper.begin_forward": CASCADE_PLAN,
     "MultiLevelCascadeAttentionWrapper.run": "q, paged_kv_cache",
     "MultiLevelCascadeAttentionWrapper.forward": "q, paged_kv_cache",
+    "single_prefill_with_kv_cache": SINGLE_PREFILL,
+    # a partial binding return_lse by keyword: it and every parameter after it become keyword-only
+    "single_prefill_with_kv_cache_return_lse": SINGLE_PREFILL.replace("return_lse=False", "*, return_lse=True"),
+    "BatchPrefillWithPagedKVCacheWrapper.__init__": "float_workspace_buffer, kv_layout='NHD', use_cuda_graph=False, "
+                                                    "qo_indptr_buf=None, paged_kv_indptr_buf=None, "
+                                                    "paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, "
+                                                    "custom_mask_buf=None, mask_indptr_buf=None, backend='auto', "
+                                                    "jit_args=None, jit_kwargs=None",
+    "BatchPrefillWithPagedKVCacheWrapper.reset_workspace_buffer": "float_workspace_buffer, int_workspace_buffer",
+    "BatchPrefillWithPagedKVCacheWrapper.plan": PAGED_PLAN,
+    "BatchPrefillWithPagedKVCacheWrapper.begin_forward": PAGED_PLAN,
+    "BatchPrefillWithPagedKVCacheWrapper.workspace_size": PAGED_PLAN.replace("non_blocking=True, ", ""),
+    "BatchPrefillWithPagedKVCacheWrapper.run": PAGED_RUN,
+    "BatchPrefillWithPagedKVCacheWrapper.run_return_lse": PAGED_RUN.replace("return_lse=False", "return_lse=True"),
+    "BatchPrefillWithPagedKVCacheWrapper.forward": PAGED_FORWARD,
+    "BatchPrefillWithPagedKVCacheWrapper.forward_return_lse": PAGED_FORWARD,
+    "BatchPrefillWithPagedKVCacheWrapper.end_forward": "",
+    "BatchPrefillWithRaggedKVCacheWrapper.__init__": "float_workspace_buffer, kv_layout='NHD', use_cuda_graph=False, "
+                                                     "qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, "
+                                                     "mask_indptr_buf=None, backend='auto', jit_args=None, "
+                                                     "jit_kwargs=None",
+    "BatchPrefillWithRaggedKVCacheWrapper.reset_workspace_buffer": "float_workspace_buffer, int_workspace_buffer",
+    "BatchPrefillWithRaggedKVCacheWrapper.plan": RAGGED_PLAN,
+    "BatchPrefillWithRaggedKVCacheWrapper.begin_forward": RAGGED_PLAN,
+    "BatchPrefillWithRaggedKVCacheWrapper.run": RAGGED_RUN,
+    "BatchPrefillWithRaggedKVCacheWrapper.run_return_lse": RAGGED_RUN.replace("return_lse=False", "return_lse=True"),
+    "BatchPrefillWithRaggedKVCacheWrapper.forward": RAGGED_FORWARD,
+    "BatchPrefillWithRaggedKVCacheWrapper.forward_return_lse": RAGGED_FORWARD,
+    "BatchPrefillWithRaggedKVCacheWrapper.end_forward": "",
 }
 
 # flashkern's public names that FlashInfer does not have (so not in the table).

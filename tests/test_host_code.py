@@ -211,17 +211,25 @@ def test_final_state(lib):
     assert list(out[n + 5]) == [0.0, np.inf]  # an infinite sink takes all the weight
 
 
-def test_visible_end(lib):
-    """Causal items: query i sees the tokens up to i + diagonal, within the chunk; no diagonal
-    (kNoDiagonal = 2^30) leaves the chunk whole, without overflow for the largest query index."""
-    i = np.array([0, 1, 5, 2**31 - 1], dtype=np.int32)
-    out = np.empty_like(i)
-    lib.fk_visible_end(64, 128, 100, ptr(i), ptr(out), ctypes.c_int64(i.size))
-    assert out.tolist() == [101, 102, 106, 128]
-    lib.fk_visible_end(64, 128, -3, ptr(i), ptr(out), ctypes.c_int64(i.size))
-    assert out.tolist() == [-2, -1, 3, 128]  # before the chunk: the kernels then copy nothing
-    lib.fk_visible_end(0, 2**30 - 1, 2**30, ptr(i), ptr(out), ctypes.c_int64(i.size))
-    assert out.tolist() == [2**30 - 1] * 4
+def test_visible(lib):
+    """Query i of an item sees the tokens i + first <= j <= i + last within the chunk (causal: last is
+    the diagonal; a window: first); kNoDiagonal (2^30) and -kNoDiagonal leave the chunk whole,
+    without overflow, for every query index the planner allows (< 2^30); sees_chunk: the range is
+    not empty."""
+    i = np.array([0, 1, 5, 2**30 - 1], dtype=np.int32)
+    out = np.empty((i.size, 3), dtype=np.int32)
+
+    def visible(kv_begin, kv_end, first, last):
+        lib.fk_visible(kv_begin, kv_end, first, last, ptr(i), ptr(out), ctypes.c_int64(i.size))
+        return out.tolist()
+
+    no = 2**30
+    assert visible(64, 128, -no, 100) == [[64, 101, 1], [64, 102, 1], [64, 106, 1], [64, 128, 1]]
+    assert visible(64, 128, -no, -3) == [[64, -2, 0], [64, -1, 0], [64, 3, 0], [64, 128, 1]]  # before the chunk
+    assert visible(0, 2**30 - 1, -no, no) == [[0, 2**30 - 1, 1]] * 4
+    # a window of 10 behind a diagonal of 60: query i sees [i + 50, i + 60]
+    assert visible(64, 128, 50, 60) == [[64, 61, 0], [64, 62, 0], [64, 66, 1], [128, 128, 0]]
+    assert visible(0, 64, 50, no)[:3] == [[50, 64, 1], [51, 64, 1], [55, 64, 1]]  # a window without causality
 
 
 def test_divmod(lib):

@@ -22,7 +22,8 @@ TORCH_LIBRARY(flashkern, m) { flashkern::define_schemas(m); }
 // _C.plan_attention(levels, batch, page_size, group_size, kv_heads, cta_budget, min_chunk,
 //                   item_capacity, slot_capacity, names, indexed, out, out_words)
 //   -> (words, (count per kind), slots, chunk, needs_merge), or ValueError naming the bad argument.
-// levels: [(qo_indptr, kv_indptr, kv_last_page_len, groups, num_indices, causal)] with the data
+// levels: [(qo_indptr, kv_indptr, kv_last_page_len, groups, num_indices, causal, window_left, custom_mask,
+// identity)] with the data
 // pointers of contiguous int32 CPU tensors (qo_indptr 0: one query per group); names: the caller's names
 // of (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) for messages, indexed: name[level]; out:
 // an int32 CPU buffer of out_words words that receives the plan (attention_plan.h).
@@ -46,14 +47,16 @@ static PyObject* plan_attention(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
     unsigned long long qo = 0, kv = 0, last = 0;
     long long groups = 0, num_indices = 0;
-    int causal = 0;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKLLp", &qo, &kv, &last, &groups, &num_indices,
-                          &causal)) {
+    long long window_left = -1;
+    int causal = 0, custom_mask = 0, identity = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKLLpLpp", &qo, &kv, &last, &groups, &num_indices,
+                          &causal, &window_left, &custom_mask, &identity)) {
       Py_DECREF(seq);
       return nullptr;
     }
     levels.push_back({reinterpret_cast<const int32_t*>(qo), reinterpret_cast<const int32_t*>(kv),
-                      reinterpret_cast<const int32_t*>(last), groups, num_indices, causal != 0});
+                      reinterpret_cast<const int32_t*>(last), groups, num_indices, causal != 0, window_left,
+                      custom_mask != 0, identity != 0});
   }
   Py_DECREF(seq);
   const fk::PlanResult r = fk::plan_attention(levels.data(), int(levels.size()), shape,

@@ -41,11 +41,12 @@ inline void define_schemas(torch::Library& m) {
   // head_dim], k_cache and v_cache [pages, page_size, kv_heads, head_dim] (views of the cache), one
   // kv_indices per level; writes out [batch, qo_heads, head_dim] (float16 or bfloat16, either for
   // either q) and lse [batch, qo_heads] (natural log). grid: blocks for the decode, 16-row and 64-row
-  // kernels and (0 or 1) the merge. sinks: [qo_heads] float32 sink logits; out_scale scales out.
+  // kernels and (0 or 1) the merge. sinks: [qo_heads] float32 sink logits; out_scale scales out;
+  // custom_mask: uint8, the plan's masks as little-endian bits; logits_soft_cap > 0: cap * tanh(x / cap).
   m.def(
       "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
       "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0, "
-      "bool enable_pdl=False) -> ()");
+      "bool enable_pdl=False, Tensor? custom_mask=None, float logits_soft_cap=0.0) -> ()");
 }
 
 }  // namespace flashkern

@@ -16,6 +16,12 @@ from .activation import act_mul, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
+from .prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
 from .rope import (
     apply_llama31_rope,
     apply_llama31_rope_inplace,
@@ -34,6 +40,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",
     "act_mul",
     "apply_llama31_rope",
@@ -65,4 +73,6 @@ __all__ = [
     "set_backend",
     "silu_and_mul",
     "single_decode_with_kv_cache",
+    "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
 ]

@@ -16,6 +16,7 @@ import torch
 from . import _C, _backend, ref
 from ._validate import (
     ATTENTION_DTYPES,
+    MIN_SOFT_CAP,
     check_aligned,
     check_batch_attention,
     check_head_dim,
@@ -55,6 +56,41 @@ def kv_cache_views(op, paged_kv_cache, kv_layout):
         k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def split_length(op, fixed_split_size, disable_split_kv, page_size):
+    """FlashInfer's split options as the planner's chunk length: None (the device's choice),
+    MAX_KV_LENGTH (disable_split_kv: no split) or fixed_split_size pages' tokens."""
+    if disable_split_kv not in (False, True):
+        raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
+    if disable_split_kv:
+        return MAX_KV_LENGTH
+    if fixed_split_size is None:
+        return None
+    check_positive_int(op, "fixed_split_size", fixed_split_size, " (pages)")
+    return min(fixed_split_size * page_size, MAX_KV_LENGTH)
+
+
+def single_request_kv(op, q, k, v, kv_layout, q_shape):
+    """The single-request functions' q, k, v checked (q of rank len(q_shape), named so in messages;
+    k and v [kv_len, kv_heads, D] NHD or [kv_heads, kv_len, D] HND, q's head_dim, dtype and device):
+    k and v as NHD views."""
+    check_kv_layout(op, kv_layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t)
+    if q.dim() != len(q_shape):
+        raise ValueError(f"{op}: q must be {len(q_shape)}-D [{', '.join(q_shape)}], got shape {tuple(q.shape)}")
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"{op}: k and v must be 3-D of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if k.shape[2] != q.shape[-1]:
+        raise ValueError(f"{op}: k and v must have q's head_dim {q.shape[-1]}, got {k.shape[2]}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: k and v must have q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{op}: k and v must be on q's device {q.device}, got {k.device} and {v.device}")
     return k, v
 
 
@@ -217,12 +253,15 @@ class PagedAttention:
 
     def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
               q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None, o_dtype=None, causal=False,
-              dry_run=False):
+              window_left=-1, logits_soft_cap=None, custom_mask=None, identity=False, dry_run=False):
         """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
         shape-checked; device_indices: each level's kv_indices where the kernels will read them;
-        batch: the number of queries; causal: the last level's groups are causal (each group's
-        queries are its last tokens). Checks the rest, plans, and writes the plan into the workspace;
-        dry_run: returns the workspace bytes the plan needs (at its preferred split) instead."""
+        batch: the number of queries. The last level's groups may be causal (each group's queries
+        are its last tokens, each seeing the tokens up to itself), have a sliding window
+        (window_left >= 0) or custom masks (custom_mask: the packed bits on the device, checked by
+        the caller); identity: its kv_indices is the identity (ragged KV, a page per token; not
+        read). Checks the rest, plans, and writes the plan into the workspace; dry_run: returns
+        the workspace bytes the plan needs (at its preferred split) instead."""
         check_head_dim(op, head_dim)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive_int(op, name, value)
@@ -231,9 +270,14 @@ class PagedAttention:
         if kv_dtype != q_dtype:
             raise TypeError(f"{op}: kv_data_type must equal q_data_type ({q_dtype}), got {kv_dtype}")
         sm_scale = float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)
+        logits_soft_cap = soft_cap_value(op, logits_soft_cap)
+        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"{op}: window_left must be an int >= -1 (-1: no window), got {window_left!r}")
         max_page = -1
-        for i, (_, _, indices, _) in enumerate(levels):
-            if indices.numel():
+        for i, (_, kv_indptr, indices, _) in enumerate(levels):
+            if identity and i == len(levels) - 1:
+                max_page = max(max_page, int(kv_indptr[-1]) - 1)
+            elif indices.numel():
                 lo, hi = int(indices.min()), int(indices.max())
                 if lo < 0:
                     raise ValueError(f"{op}: {names[2]}{f'[{i}]' if indexed else ''} holds a negative page index {lo}")
@@ -245,8 +289,10 @@ class PagedAttention:
         int_words, item_capacity, slot_capacity = layout[:3]
         payload = torch.empty(int_words, dtype=torch.int32, pin_memory=self._device.type == "cuda")
         plan_levels = [
-            (qo.data_ptr() if qo is not None else 0, kv.data_ptr(), last.data_ptr(), kv.shape[0] - 1, indices.shape[0],
-             causal and i == len(levels) - 1)
+            (qo.data_ptr() if qo is not None else 0, kv.data_ptr(), last.data_ptr(), kv.shape[0] - 1,
+             int(kv[-1]) if identity and i == len(levels) - 1 else indices.shape[0],
+             *((causal, window_left, custom_mask is not None, identity) if i == len(levels) - 1 else
+               (False, -1, False, False)))
             for i, (qo, kv, indices, last) in enumerate(levels)
         ]
         # split_tokens: a fixed chunk length (one block of work per that many tokens, however many
@@ -256,8 +302,7 @@ class PagedAttention:
             _, counts, slots, _, _ = _C.plan_attention(
                 plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
                 1 << 40, 1 << 40, names, indexed, 0, 0)
-            items_as_slots = -(-sum(counts) // 2)  # workspace_layout: two items a slot
-            return _C.workspace_bytes(max(slots, items_as_slots), batch, num_qo_heads, head_dim)
+            return _C.workspace_bytes(slots, batch, num_qo_heads, head_dim)  # items: room for 2 per slot and query
         words, counts, slots, chunk, needs_merge = _C.plan_attention(
             plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
             item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
@@ -269,15 +314,22 @@ class PagedAttention:
         self._plan_info = {
             "batch": batch, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "page_size": page_size, "dtype": q_dtype, "o_dtype": o_dtype or q_dtype, "sm_scale": sm_scale,
-            "grid": grid, "max_page": max_page,
+            "grid": grid, "max_page": max_page, "logits_soft_cap": logits_soft_cap, "custom_mask": custom_mask,
+            "window_left": window_left,
             "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk, "words": words,
         }
 
+    def check_window(self, op, window_left):
+        """run()'s window_left: None or the planned value (the window is part of the plan)."""
+        planned = self._plan_info["window_left"] if self._plan_info else -1
+        if window_left is not None and window_left != planned:
+            raise ValueError(f"{op}: window_left={window_left!r} differs from the plan's {planned}; plan again with it")
+
     def _run(self, op, q, paged_kv_cache, out, lse, sinks=None, q_scale=None, k_scale=None, v_scale=None,
-             sm_scale=None, pdl=False):
+             sm_scale=None, pdl=False, logits_soft_cap=None, kv_layout=None):
         """The planned attention of q (and FlashInfer's run() options: sinks [num_qo_heads], one sink
-        logit per head; q_scale and k_scale multiply sm_scale, v_scale the output; sm_scale, if
-        given, replaces the plan's) into out / lse."""
+        logit per head; q_scale and k_scale multiply sm_scale, v_scale the output; sm_scale and
+        logits_soft_cap, if given, replace the plan's) into out / lse."""
         info = self._plan_info
         if info is None:
             raise RuntimeError(f"{op}: call plan() before run()")
@@ -289,7 +341,7 @@ class PagedAttention:
             raise TypeError(f"{op}: q must have the planned q_data_type {info['dtype']}, got {q.dtype}")
         if q.device != self._device:
             raise ValueError(f"{op}: q is on {q.device} but the workspace is on {self._device}")
-        k, v = kv_cache_views(op, paged_kv_cache, self._kv_layout)
+        k, v = kv_cache_views(op, paged_kv_cache, kv_layout or self._kv_layout)
         planned = (info["page_size"], info["num_kv_heads"], info["head_dim"])
         if tuple(k.shape[1:]) != planned:
             raise ValueError(f"{op}: paged_kv_cache has (page_size, num_kv_heads, head_dim) = {tuple(k.shape[1:])}, "
@@ -310,7 +362,9 @@ class PagedAttention:
             check_tensor(op, name, t)
         if out.dtype != info["o_dtype"]:
             raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
-        args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale, pdl)
+        cap = info["logits_soft_cap"] if logits_soft_cap is None else soft_cap_value(op, logits_soft_cap)
+        args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale, pdl,
+                info["custom_mask"], cap)
         if _backend.use_reference(q.device):
             _batch_attention_cpu(*args)
         else:
@@ -328,6 +382,16 @@ def scale_factor(op, name, value):
     return float(value)
 
 
+def soft_cap_value(op, logits_soft_cap):
+    """logits_soft_cap: None or 0 (none), or a positive finite number; as the float the op takes (0: none)."""
+    if logits_soft_cap is None:
+        return 0.0
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) or \
+            not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
+        raise ValueError(f"{op}: logits_soft_cap must be None, 0 or a finite number >= 1e-6, got {logits_soft_cap!r}")
+    return float(logits_soft_cap)
+
+
 def sink_logits(op, sinks, num_qo_heads, device):
     """sinks: None, or a floating tensor [num_qo_heads] on q's device, as float32 (no copy if it is)."""
     if sinks is None:
@@ -339,14 +403,16 @@ def sink_logits(op, sinks, num_qo_heads, device):
     return sinks.to(torch.float32).contiguous()
 
 
-def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None, out_scale=1.0):
+def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None, out_scale=1.0, custom_mask=None,
+               logits_soft_cap=0.0):
     """ref.batch_attention on the plan and the partial-state buffers of a workspace."""
     batch, heads, head_dim = q.shape
     int_words, _, slots, s_at, v_at = _C.workspace_layout(workspace.numel(), batch, heads, head_dim)
     partial_s = workspace[s_at : s_at + 4 * slots * heads].view(torch.float32).view(slots, heads)
     partial_v = workspace[v_at : v_at + 4 * slots * heads * head_dim].view(torch.float32).view(slots, heads, head_dim)
     words = workspace[: 4 * int_words].view(torch.int32)
-    return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks, out_scale)
+    return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks, out_scale,
+                               custom_mask, logits_soft_cap)
 
 
 # ---- CPU: the reference, with the same checks as the kernels ----
@@ -354,10 +420,11 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
 
 @_backend.register_cpu("batch_attention")
 def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                         out_scale=1.0, enable_pdl=False):
+                         out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          sinks, out_scale)
-    o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks, out_scale)
+                          sinks, out_scale, custom_mask, logits_soft_cap)
+    o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks, out_scale, custom_mask,
+                      logits_soft_cap)
     out.copy_(o)
     lse.copy_(s)
 
@@ -367,6 +434,6 @@ def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, g
 
 @torch.library.register_fake("flashkern::batch_attention")
 def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0, enable_pdl=False):
+                          out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          sinks, out_scale, addresses=False)
+                          sinks, out_scale, custom_mask, logits_soft_cap, addresses=False)

@@ -1,5 +1,5 @@
 """Argument checks for every op, shared by the CPU reference, the fake (meta) functions and the
-reference fallback on GPU tensors. csrc/torch/gpu_ops.cpp makes the same checks for the GPU
+reference fallback on GPU tensors. csrc/torch/glue/ makes the same checks for the GPU
 kernels, so each path raises the same TypeError or ValueError naming the argument and value."""
 
 import math
@@ -215,14 +215,18 @@ def check_aligned(op, name, t, alignment):
         raise ValueError(f"{op}: {name} must start on a {alignment}-byte boundary")
 
 
+MIN_SOFT_CAP = 1e-6  # smaller caps would overflow the kernels' float scale (sm_scale / cap)
+
+
 def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0, addresses=True):
+                          out_scale=1.0, custom_mask=None, logits_soft_cap=0.0, addresses=True):
     """torch.ops.flashkern.batch_attention's arguments: q [batch, qo_heads, D], k_cache and v_cache
     [pages, page_size, kv_heads, D] (any strides, D contiguous), kv_indices a list of 1-D int32
     tensors, a uint8 workspace, out [batch, qo_heads, D] (float16 or bfloat16) and lse [batch,
     qo_heads] float32, both contiguous, grid four non-negative ints, a finite sm_scale, sinks None or
-    [qo_heads] float32, a finite out_scale. addresses=False (fake tensors, which have none): skip
-    the alignment of workspace and out."""
+    [qo_heads] float32, a finite out_scale, custom_mask None or 1-D uint8 (packed bits), a finite
+    logits_soft_cap >= 0. addresses=False (fake tensors, which have none): skip the alignment of
+    workspace and out."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("workspace", workspace), ("out", out),
                     ("lse", lse)):
         check_tensor(op, name, t)
@@ -275,3 +279,10 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         if sinks.dtype != torch.float32 or tuple(sinks.shape) != (q.shape[1],) or not sinks.is_contiguous() or \
                 sinks.device != q.device:
             raise ValueError(f"{op}: sinks must be a contiguous float32 tensor of shape ({q.shape[1]},) on {q.device}")
+    if custom_mask is not None:
+        check_tensor(op, "custom_mask", custom_mask)
+        if custom_mask.dtype != torch.uint8 or custom_mask.dim() != 1 or not custom_mask.is_contiguous() or \
+                custom_mask.device != q.device:
+            raise ValueError(f"{op}: custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on {q.device}")
+    if not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
+        raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")

@@ -69,12 +69,16 @@ class MultiLevelCascadeAttentionWrapper:
              num_qo_heads, num_kv_heads, head_dim, page_size, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,
              rope_theta=None, q_data_type="float16", kv_data_type=None):
-        """Plan the cascade (see the class docstring); every page table is checked here, on the host."""
+        """Plan the cascade (see the class docstring); every page table is checked here, on the host.
+        ``logits_soft_cap`` (Gemma2) applies to every level. ``window_left`` must stay -1: a sliding
+        window over a shared level would start at a different token for each request sharing it
+        (ValueError rather than a window relative to each level, which is what FlashInfer's per-level
+        prefill computes)."""
         op = "MultiLevelCascadeAttentionWrapper.plan"
         if causal not in (False, True):
             raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
-        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
+        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left, rope_scale=rope_scale,
+                           rope_theta=rope_theta)
         q_dtype = attention_dtype(op, "q_data_type", q_data_type)
         kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
         arrays = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
@@ -101,7 +105,7 @@ class MultiLevelCascadeAttentionWrapper:
             device_indices.append(self._device_indices(op, i, paged_kv_indices_arr[i], arrays, requests))
         batch = int(levels[-1][0][-1]) if requests >= 0 else 0  # the query tokens (the planner checks the rest)
         self._core._plan(op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-                         q_dtype, kv_dtype, names, True, ALL_KINDS, causal=causal)
+                         q_dtype, kv_dtype, names, True, ALL_KINDS, causal=causal, logits_soft_cap=logits_soft_cap)
 
     begin_forward = plan
 

@@ -9,15 +9,15 @@ import torch
 
 from . import _C
 from ._paged_attention import (
-    MAX_KV_LENGTH,
     PagedAttention,
     attention_dtype,
     check_buffer,
-    check_kv_layout,
     csr_page_table,
     fill_buffer,
     host_int32,
     reject_unsupported,
+    single_request_kv,
+    split_length,
 )
 from ._validate import check_enable_pdl, check_positive_int, check_tensor
 
@@ -113,12 +113,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """plan() and workspace_size(): FlashInfer's arguments to the planner's."""
         check_positive_int(op, "page_size", page_size)
         check_positive_int(op, "q_len_per_req", q_len_per_req)
-        if disable_split_kv not in (False, True):
-            raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
-        split_tokens = MAX_KV_LENGTH if disable_split_kv else None
-        if fixed_split_size is not None and not disable_split_kv:
-            check_positive_int(op, "fixed_split_size", fixed_split_size, " (pages)")
-            split_tokens = min(fixed_split_size * page_size, MAX_KV_LENGTH)
+        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size)
         if block_tables is not None or seq_lens is not None:
             indptr, indices, last_page_len = csr_page_table(op, indptr, indices, last_page_len, block_tables,
                                                             seq_lens, page_size)
@@ -148,8 +143,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
               data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, o_data_type=None, split_tokens=None,
               q_len_per_req=1, dry_run=False):
         """plan(), its errors under the name of the function the caller called."""
-        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
+        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -172,7 +166,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_dtype, kv_dtype,
                                    ("qo_indptr", "indptr", "indices", "last_page_len"), False,
                                    {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1))},
-                                   split_tokens, o_dtype, causal=q_len_per_req > 1, dry_run=dry_run)
+                                   split_tokens, o_dtype, causal=q_len_per_req > 1, window_left=window_left,
+                                   logits_soft_cap=logits_soft_cap, dry_run=dry_run)
         if dry_run:
             return planned
         self._q_len_per_req = q_len_per_req
@@ -189,7 +184,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
           by sm_scale), whose value is zero (GPT-OSS); lse then includes it: ``log(exp(sinks[h]) +
           sum_j exp(logit_j))``.
         - ``q_scale`` and ``k_scale`` (numbers) multiply sm_scale, ``v_scale`` the output.
-        - ``q_len_per_req``: None or the planned value; ``window_left``: None or the plan's -1.
+        - ``q_len_per_req`` and ``window_left``: None or the planned values.
         - ``enable_pdl=True``: the kernels as programmatic dependent launches where the GPU has them
           (CUDA sm_90+); None is off. ``skip_softmax_threshold_scale_factor`` and ``kv_cache_sf`` are
           not supported (ValueError)."""
@@ -199,7 +194,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"supported by flashkern, got {len(args)}")
         pdl = check_enable_pdl(op, enable_pdl)
         reject_unsupported(op, skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
-                           kv_cache_sf=kv_cache_sf, window_left=-1 if window_left is None else window_left)
+                           kv_cache_sf=kv_cache_sf)
+        self._core.check_window(op, window_left)
         planned = getattr(self, "_q_len_per_req", 1)
         if q_len_per_req is not None and q_len_per_req != planned:
             raise ValueError(f"{op}: q_len_per_req={q_len_per_req!r} differs from the plan's {planned}; "
@@ -227,9 +223,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _forward(self, op, q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
                  logits_soft_cap, sm_scale, rope_scale, rope_theta):
-        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
-        return self._core._run(op, q, paged_kv_cache, None, None, None, q_scale, k_scale, v_scale, sm_scale)
+        reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
+        self._core.check_window(op, window_left)
+        return self._core._run(op, q, paged_kv_cache, None, None, None, q_scale, k_scale, v_scale, sm_scale,
+                               logits_soft_cap=logits_soft_cap)
 
     def _device_indices(self, op, indices, indptr, last_page_len, batch):
         """kv_indices where the kernels read them: the fixed buffer under CUDA graphs (filled here)."""
@@ -252,40 +249,31 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     """Decode attention of one request: q ``[num_qo_heads, head_dim]``, k and v ``[kv_len,
     num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND) -> out
     ``[num_qo_heads, head_dim]`` (and lse ``[num_qo_heads]``, natural log, with ``return_lse``).
-    ``sinks`` and the scales: as in BatchDecodeWithPagedKVCacheWrapper.run.
+    ``sinks`` and the scales: as in BatchDecodeWithPagedKVCacheWrapper.run; ``window_left`` (a
+    sliding window: the last ``window_left + 1`` tokens) and ``logits_soft_cap`` as in its plan().
 
     The plan for a shape is made once and kept (a few per device), so after one eager call with a
     shape, calls with that shape can be captured in a CUDA graph."""
     op = "single_decode_with_kv_cache"
-    reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
-    check_kv_layout(op, kv_layout)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(op, name, t)
-    if q.dim() != 2:
-        raise ValueError(f"{op}: q must be 2-D [num_qo_heads, head_dim], got shape {tuple(q.shape)}")
-    if k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"{op}: k and v must be 3-D of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if kv_layout == "HND":
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
+    k, v = single_request_kv(op, q, k, v, kv_layout, ("num_qo_heads", "head_dim"))
     kv_len, num_kv_heads, head_dim = k.shape
     if kv_len == 0:
         raise ValueError(f"{op}: k and v must hold at least one token")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{op}: k and v must have q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"{op}: k and v must be on q's device {q.device}, got {k.device} and {v.device}")
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"{op}: window_left must be an int >= -1 (-1: no window), got {window_left!r}")
     wrapper = _single_plan(q.device, q.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
-                           None if sm_scale is None else float(sm_scale))
+                           None if sm_scale is None else float(sm_scale), window_left)
     # the whole sequence as one page of kv_len tokens
-    out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None, sinks, q_scale, k_scale, v_scale)
+    out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None, sinks, q_scale, k_scale, v_scale,
+                                  logits_soft_cap=logits_soft_cap)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
 @functools.lru_cache(maxsize=32)
-def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale):
+def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left):
     """A planned wrapper for one request of kv_len tokens, with room to split it over every block
     the device runs at once."""
     slots = PagedAttention.cta_budget(device) + 1
@@ -293,5 +281,5 @@ def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm
     wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     wrapper._plan("single_decode_with_kv_cache", i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads,
-                  head_dim, kv_len, q_data_type=dtype, sm_scale=sm_scale)
+                  head_dim, kv_len, q_data_type=dtype, sm_scale=sm_scale, window_left=window_left)
     return wrapper

@@ -101,13 +101,15 @@ const char* emu_merge_states(void* v_out, float* s_out, const void* v, const flo
 }
 
 // q [batch, qo_heads, head_dim] with strides q_strides; k/v caches [pages, page_size, kv_heads, head_dim] with
-// strides kv_strides (k: page, slot, head; then v's); plan, partial_s and partial_v: a planned CPU workspace.
+// strides kv_strides (k: page, slot, head; then v's); plan, partial_s and partial_v: a planned CPU workspace;
+// custom_mask: the plan's packed masks (custom_mask_bytes of them) or nullptr.
 const char* emu_batch_attention(void* out, float* lse, const void* q, const int64_t* q_strides, const void* k_cache,
                                 const void* v_cache, const int64_t* kv_strides, int64_t num_pages,
                                 const int32_t* const* kv_indices, const int32_t* kv_indices_len, int levels,
                                 const int32_t* plan, float* partial_s, float* partial_v, const int* grid, int batch,
                                 int qo_heads, int kv_heads, int head_dim, int page_size, float sm_scale, int dtype,
-                                const float* sinks, float out_scale, int out_dtype) {
+                                const float* sinks, float out_scale, int out_dtype, const uint8_t* custom_mask,
+                                int64_t custom_mask_bytes, float logits_soft_cap) {
   fk::BatchAttentionParams p{};
   p.out = out, p.lse = lse, p.q = q, p.k_cache = k_cache, p.v_cache = v_cache;
   p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1];
@@ -120,6 +122,7 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   p.page_div = fk::Divmod(uint32_t(page_size));
   p.sm_scale = sm_scale, p.dtype = DType(dtype);
   p.sinks = sinks, p.out_scale = out_scale, p.out_dtype = DType(out_dtype);
+  p.custom_mask = custom_mask, p.custom_mask_bytes = custom_mask_bytes, p.logits_soft_cap = logits_soft_cap;
   return fk::launch_batch_attention(p, nullptr);
 }
 

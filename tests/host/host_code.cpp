@@ -88,11 +88,16 @@ void fk_final_state(const float* s, const float* sink, float out_scale, float* o
   }
 }
 
-// out: visible_end of each query i of an item (kv_begin, kv_end, diagonal)
-void fk_visible_end(int32_t kv_begin, int32_t kv_end, int32_t diagonal, const int32_t* i, int32_t* out, int64_t n) {
+// out: (visible_begin, visible_end, sees_chunk) of each query i of an item (kv_begin, kv_end, first, last)
+void fk_visible(int32_t kv_begin, int32_t kv_end, int32_t first, int32_t last, const int32_t* i, int32_t* out,
+                int64_t n) {
   fk::AttentionWorkItem item{};
-  item.kv_begin = kv_begin, item.kv_end = kv_end, item.diagonal = diagonal;
-  for (int64_t j = 0; j < n; ++j) out[j] = fk::visible_end(item, i[j]);
+  item.kv_begin = kv_begin, item.kv_end = kv_end, item.first = first, item.last = last;
+  for (int64_t j = 0; j < n; ++j) {
+    out[3 * j] = fk::visible_begin(item, i[j]);
+    out[3 * j + 1] = fk::visible_end(item, i[j]);
+    out[3 * j + 2] = fk::sees_chunk(item, i[j]);
+  }
 }
 
 // q, r: n / d and n % d for every n

@@ -26,8 +26,11 @@ struct PlanLevel {
   const int32_t* kv_indptr;      // [groups + 1]
   const int32_t* last_page_len;  // [groups]
   int64_t groups;
-  int64_t num_indices;  // entries of this level's kv_indices
+  int64_t num_indices;  // entries of this level's kv_indices (identity: pages of the cache)
   bool causal;          // a group's n queries are its last n tokens, each seeing the tokens up to itself
+  int64_t window_left = -1;  // >= 0: query i also sees no token before i + length - n - window_left
+  bool custom_mask = false;  // the groups' masks, row-major [n, length] bits, each from a byte of its own (causal ignored)
+  bool identity = false;     // kv_indices is the identity, not given (ragged KV: a page per token)
 };
 
 struct PlanShape {
@@ -59,10 +62,10 @@ static_assert(kNoDiagonal >= kMaxKvLength, "visible_end: no diagonal must leave 
 namespace plan_detail {
 
 struct Entry {  // a group with queries and KV at one level
-  int32_t level, q_begin, n_q, page_begin, diagonal;
-  int64_t length;
+  AttentionWorkItem whole;  // its item over all of its KV: level, queries, pages, first, last, mask, length
   AttentionKind kind;
   int64_t row_tiles;
+  int32_t tile_rows;
 };
 
 enum Arg { kQoIndptr, kKvIndptr, kKvIndices, kLastPageLen };
@@ -72,6 +75,57 @@ inline std::string arg(const PlanShape& s, Arg a, int level) {
 }
 
 inline int64_t chunks_of(int64_t length, int64_t chunk) { return (length + chunk - 1) / chunk; }
+
+// The item of entry e over chunk c.
+inline AttentionWorkItem chunk_item(const Entry& e, int64_t c, int64_t chunk) {
+  AttentionWorkItem item = e.whole;
+  item.kv_begin = int32_t(c * chunk);
+  item.kv_end = int32_t(std::min<int64_t>(e.whole.length, (c + 1) * chunk));
+  return item;
+}
+
+// The chunks [lo, hi] query i of entry e sees (lo > hi: none).
+inline void chunks_seen(const Entry& e, int32_t i, int64_t chunk, int64_t& lo, int64_t& hi) {
+  const int32_t b = visible_begin(e.whole, i), end = visible_end(e.whole, i);
+  lo = b / chunk, hi = b < end ? (end - 1) / chunk : lo - 1;
+}
+
+// The chunks a row tile of entry e sees: from the first of its first query that sees any to the
+// last of its last query. Both ends of a query's tokens grow with i, so no chunk in between is skipped.
+inline void tile_chunks(const Entry& e, int64_t t, int64_t chunk, int64_t group, int64_t& lo, int64_t& hi) {
+  const int64_t row0 = t * e.tile_rows, row1 = std::min<int64_t>(row0 + e.tile_rows, int64_t(e.whole.n_q) * group);
+  int64_t a_lo, a_hi;
+  chunks_seen(e, int32_t((row1 - 1) / group), chunk, a_lo, hi);
+  lo = 0;
+  if (a_lo > hi) {  // the last query sees nothing, so neither does any before it
+    hi = -1;
+    return;
+  }
+  for (int64_t i = row0 / group;; ++i) {
+    chunks_seen(e, int32_t(i), chunk, lo, a_hi);
+    if (lo <= a_hi) return;
+  }
+}
+
+// The range [a, b) of entry e's queries that see chunk c (the ends of what a query sees grow with i).
+inline void queries_seeing(const Entry& e, int64_t c, int64_t chunk, int32_t& a, int32_t& b) {
+  const AttentionWorkItem item = chunk_item(e, c, chunk);
+  auto first_true = [&](auto pred) {  // the first i in [0, n_q] with pred(i), pred monotone
+    int32_t lo = 0, hi = e.whole.n_q;
+    while (lo < hi) {
+      const int32_t mid = lo + (hi - lo) / 2;
+      if (pred(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
+  };
+  a = first_true([&](int32_t i) { return int64_t(i) + item.last + 1 > item.kv_begin; });  // ends past the chunk's start
+  b = first_true([&](int32_t i) { return int64_t(i) + item.first >= item.kv_end; });      // starts past its end
+  if (b < a) b = a;
+}
 
 }  // namespace plan_detail
 
@@ -87,13 +141,17 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
   if (num_levels < 1 || num_levels > kMaxLevels)
     return fail("num_levels must be between 1 and " + std::to_string(kMaxLevels) + ", got " + std::to_string(num_levels));
   if (s.page_size < 1) return fail("page_size must be positive, got " + std::to_string(s.page_size));
-  if (s.batch < 0 || s.batch >= (int64_t(1) << 31)) return fail("the batch must have fewer than 2^31 queries");
+  if (s.batch < 0 || s.batch >= kMaxKvLength) return fail("the batch must have fewer than 2^30 queries");
 
   // ---- validate each level and collect its groups
   std::vector<Entry> entries;
+  int32_t identity_levels = 0, masked_levels = 0;
   for (int l = 0; l < num_levels; ++l) {
     const PlanLevel& lv = levels[l];
+    if (lv.custom_mask && ++masked_levels > 1)  // the kernels take one mask tensor, its bits from 0
+      return fail("at most one level may have a custom mask");
     const std::string qo = arg(s, kQoIndptr, l), kv = arg(s, kKvIndptr, l), last = arg(s, kLastPageLen, l);
+    if (lv.identity) identity_levels |= 1 << l;
     if (lv.qo_indptr != nullptr) {
       if (lv.qo_indptr[0] != 0) return fail(qo + "[0] must be 0, got " + std::to_string(lv.qo_indptr[0]));
       if (lv.qo_indptr[lv.groups] != s.batch)
@@ -107,6 +165,7 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
     if (lv.kv_indptr[lv.groups] > lv.num_indices)
       return fail(kv + "[-1] = " + std::to_string(lv.kv_indptr[lv.groups]) + " points past the " +
                   std::to_string(lv.num_indices) + " entries of " + arg(s, kKvIndices, l));
+    int64_t mask_bits = 0;
     for (int64_t j = 0; j < lv.groups; ++j) {
       const int64_t q0 = lv.qo_indptr ? lv.qo_indptr[j] : j, q1 = lv.qo_indptr ? lv.qo_indptr[j + 1] : j + 1;
       if (q1 < q0)
@@ -127,27 +186,73 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
       if (length >= kMaxKvLength)  // room for the kernels' look-ahead past a chunk in int32
         return fail("request " + std::to_string(j) + " of " + kv + " has " + std::to_string(length) +
                     " tokens; at most 2^30 - 1 are supported");
-      if (length == 0 || q1 == q0) continue;  // nothing to attend to, or nobody attending: no state
-      const AttentionKind kind = attention_kind(q1 - q0, s.group_size);
-      const int64_t rows = (q1 - q0) * s.group_size, tile = kind_rows(kind);
-      const int32_t diagonal = lv.causal ? int32_t(length - (q1 - q0)) : kNoDiagonal;
-      entries.push_back({int32_t(l), int32_t(q0), int32_t(q1 - q0), int32_t(p0), diagonal, length, kind,
-                         kind == AttentionKind::tile64 ? (rows + tile - 1) / tile : 1});
+      const int64_t n_q = q1 - q0, mask = mask_bits;
+      mask_bits += align_up(n_q * length, 8);  // each group's mask starts on a byte (FlashInfer's packed masks)
+      if (lv.custom_mask && mask_bits >= (int64_t(1) << 31))
+        return fail("the custom masks of " + kv + " hold " + std::to_string(mask_bits) +
+                    " bits or more; fewer than 2^31 are supported");
+      if (n_q * s.group_size >= (int64_t(1) << 31))
+        return fail("request " + std::to_string(j) + " of " + qo + " has " + std::to_string(n_q) + " queries of " +
+                    std::to_string(s.group_size) + " heads; fewer than 2^31 rows a request are supported");
+      if (length == 0 || n_q == 0) continue;  // nothing to attend to, or nobody attending: no state
+      const int64_t diagonal = length - n_q;  // query i is token i + diagonal
+      const int64_t first = lv.window_left >= 0 ? std::max(diagonal - lv.window_left, -int64_t(kNoDiagonal))
+                                                 : -int64_t(kNoDiagonal);
+      const bool causal = lv.causal && !lv.custom_mask;
+      Entry e{};
+      e.whole = {int32_t(l), int32_t(q0), int32_t(n_q), 0, int32_t(p0), 0, int32_t(length), 0, int32_t(first),
+                 causal ? int32_t(diagonal) : kNoDiagonal, lv.custom_mask ? int32_t(mask) : -1, int32_t(length)};
+      e.kind = attention_kind(n_q, s.group_size);
+      if (lv.custom_mask && e.kind == AttentionKind::decode) e.kind = AttentionKind::tile16;  // only tiles read masks
+      e.tile_rows = kind_rows(e.kind);
+      e.row_tiles = e.kind == AttentionKind::tile64 ? (n_q * s.group_size + e.tile_rows - 1) / e.tile_rows : 1;
+      entries.push_back(e);
     }
   }
 
   // ---- chunk length: the work spread evenly over the blocks the device runs at once
   int64_t max_length = 0, work = 0;
   for (const Entry& e : entries) {
-    max_length = std::max(max_length, e.length);
-    work += e.row_tiles * e.length * s.kv_heads;
+    max_length = std::max<int64_t>(max_length, e.whole.length);
+    for (int64_t t = 0; t < e.row_tiles; ++t) {  // the tokens its rows see, as whole tiles
+      int64_t lo, hi;
+      tile_chunks(e, t, 1, s.group_size, lo, hi);
+      work += std::max<int64_t>(hi - lo + 1, 0) * s.kv_heads;
+    }
   }
   const int64_t top = align_up(std::max<int64_t>(max_length, 1), 64);
+  std::vector<int32_t> states(s.batch, 0);  // per query: the chunks it sees, over all levels
+  auto count_states = [&](int64_t chunk) {
+    std::fill(states.begin(), states.end(), 0);
+    for (const Entry& e : entries)
+      for (int32_t i = 0; i < e.whole.n_q; ++i) {
+        int64_t lo, hi;
+        chunks_seen(e, i, chunk, lo, hi);
+        states[e.whole.q_begin + i] += int32_t(std::max<int64_t>(hi - lo + 1, 0));
+      }
+  };
+  // The queries of entry e that see chunk c and merge: [ma, mb] (ma > mb: none); they take slots.
+  auto merging = [&](const Entry& e, int64_t c, int64_t chunk, int32_t& ma, int32_t& mb) {
+    int32_t a, b;
+    queries_seeing(e, c, chunk, a, b);
+    ma = a, mb = b - 1;
+    while (ma <= mb && states[e.whole.q_begin + ma] < 2) ++ma;
+    while (mb >= ma && states[e.whole.q_begin + mb] < 2) --mb;
+  };
   auto demand = [&](int64_t chunk, int64_t& items, int64_t& slots) {
     items = slots = 0;
+    count_states(chunk);
     for (const Entry& e : entries) {
-      items += e.row_tiles * chunks_of(e.length, chunk);
-      slots += int64_t(e.n_q) * chunks_of(e.length, chunk);
+      for (int64_t t = 0; t < e.row_tiles; ++t) {
+        int64_t lo, hi;
+        tile_chunks(e, t, chunk, s.group_size, lo, hi);
+        items += std::max<int64_t>(hi - lo + 1, 0);
+      }
+      for (int64_t c = 0; c < chunks_of(e.whole.length, chunk); ++c) {
+        int32_t ma, mb;
+        merging(e, c, chunk, ma, mb);
+        slots += std::max(mb - ma + 1, 0);
+      }
     }
     return items <= s.item_capacity && slots <= s.slot_capacity;
   };
@@ -175,31 +280,62 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
     demand(chunk, items, slots);
   }
   const int64_t batch = s.batch;
-  const int64_t words = kHeaderWords + kItemWords * items + batch + 1 + slots;
+  int64_t total_states = 0;
+  for (int32_t n : states) total_states += n;
+  const int64_t words = kHeaderWords + kItemWords * items + batch + 1 + total_states;
+  r.words = words, r.slots = slots, r.chunk = chunk;
+  for (int32_t n : states) r.needs_merge = r.needs_merge || n != 1;
   if (out == nullptr) {  // a dry run: what the plan needs (workspace_size()), nothing written
-    for (const Entry& e : entries) r.count[int(e.kind)] += int32_t(e.row_tiles * chunks_of(e.length, chunk));
-    r.words = words, r.slots = slots, r.chunk = chunk;
+    for (const Entry& e : entries)
+      for (int64_t t = 0; t < e.row_tiles; ++t) {
+        int64_t lo, hi;
+        tile_chunks(e, t, chunk, s.group_size, lo, hi);
+        r.count[int(e.kind)] += int32_t(std::max<int64_t>(hi - lo + 1, 0));
+      }
     return r;
   }
+  if (words >= (int64_t(1) << 31)) return fail("the plan needs 2^31 int32 words or more; split the batch");
   if (words > out_words) return fail("internal: the plan buffer is too small");
 
-  // ---- items and slots
+  // ---- items, slots and merge lists
+  PlanHeader h{};
+  int64_t at = kHeaderWords + kItemWords * items;
+  h.merge_indptr = int32_t(at);
+  int32_t* indptr = out + at;
+  indptr[0] = 0;
+  for (int64_t q = 0; q < batch; ++q) indptr[q + 1] = indptr[q] + states[q];
+  at += batch + 1;
+  h.merge_indices = int32_t(at);
+  int32_t* indices = out + at;
+  std::vector<int32_t> cursor(indptr, indptr + batch);
   std::vector<AttentionWorkItem> by_kind[kAttentionKinds];
-  std::vector<int32_t> per_query(batch + 1, 0);
   int32_t next_slot = 0;
   for (const Entry& e : entries) {
-    const int64_t n_chunks = chunks_of(e.length, chunk);
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      const int32_t kv_begin = int32_t(c * chunk), kv_end = int32_t(std::min(e.length, (c + 1) * chunk));
-      for (int64_t t = 0; t < e.row_tiles; ++t)
-        by_kind[int(e.kind)].push_back({e.level, e.q_begin, e.n_q, int32_t(t * kind_rows(e.kind)), e.page_begin,
-                                        kv_begin, kv_end, next_slot, e.diagonal, {0, 0, 0}});
-      for (int32_t q = 0; q < e.n_q; ++q) ++per_query[e.q_begin + q + 1];
-      next_slot += e.n_q;
+    std::vector<int32_t> slot_base(chunks_of(e.whole.length, chunk));
+    for (int64_t c = 0; c < int64_t(slot_base.size()); ++c) {  // this entry's slots, chunk by chunk
+      int32_t ma, mb;
+      merging(e, c, chunk, ma, mb);
+      slot_base[c] = next_slot - (e.whole.q_begin + ma);
+      int32_t a, b;
+      queries_seeing(e, c, chunk, a, b);
+      for (int32_t i = a; i < b; ++i) {
+        const int32_t t = e.whole.q_begin + i;
+        indices[cursor[t]++] = states[t] >= 2 ? slot_base[c] + t : -1;
+      }
+      next_slot += std::max(mb - ma + 1, 0);
+    }
+    for (int64_t t = 0; t < e.row_tiles; ++t) {
+      int64_t lo, hi;
+      tile_chunks(e, t, chunk, s.group_size, lo, hi);
+      for (int64_t c = lo; c <= hi; ++c) {
+        AttentionWorkItem item = chunk_item(e, c, chunk);
+        item.row_begin = int32_t(t * e.tile_rows);
+        item.slot_base = slot_base[c];
+        by_kind[int(e.kind)].push_back(item);
+      }
     }
   }
-  PlanHeader h{};
-  int64_t at = kHeaderWords;
+  at = kHeaderWords;
   for (int k = 0; k < kAttentionKinds; ++k) {
     auto& list = by_kind[k];
     std::stable_sort(list.begin(), list.end(), [](const AttentionWorkItem& a, const AttentionWorkItem& b) {
@@ -214,31 +350,10 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
     }
     r.count[k] = h.count[k];
   }
-  h.merge_indptr = int32_t(at);
-  int32_t* indptr = out + at;
-  indptr[0] = 0;
-  for (int64_t q = 0; q < batch; ++q) {
-    indptr[q + 1] = indptr[q] + per_query[q + 1];
-    r.needs_merge = r.needs_merge || per_query[q + 1] != 1;
-  }
-  at += batch + 1;
-  h.merge_indices = int32_t(at);
-  int32_t* indices = out + at;
-  std::vector<int32_t> cursor(indptr, indptr + batch);
-  next_slot = 0;
-  for (const Entry& e : entries) {
-    for (int64_t c = 0; c < chunks_of(e.length, chunk); ++c) {
-      for (int32_t q = 0; q < e.n_q; ++q) indices[cursor[e.q_begin + q]++] = next_slot + q;
-      next_slot += e.n_q;
-    }
-  }
-  at += slots;
-  h.slots = int32_t(slots);
+  h.states = int32_t(total_states);
   h.batch = int32_t(batch);
+  h.identity_levels = identity_levels;
   std::copy(reinterpret_cast<const int32_t*>(&h), reinterpret_cast<const int32_t*>(&h) + kHeaderWords, out);
-  r.words = at;
-  r.slots = slots;
-  r.chunk = chunk;
   return r;
 }
 

@@ -6,9 +6,10 @@
 // last_page_len[j] tokens (batch decode: one level, a group per request; cascade: level 0 is the
 // prefix shared by the most requests). Per KV head the rows of a group are its (query, q head of
 // the GQA group) pairs, query-major. A work item is one block's job: a tile of a group's rows
-// over a chunk of its KV (split-KV), for every KV head (blockIdx.y). Each (group, chunk) writes a
-// partial state per query into a slot; a query's slots, over every level and chunk, are merged
-// into its output, except a query with a single state, which the kernel writes directly.
+// over a chunk of its KV (split-KV), for every KV head (blockIdx.y). A query's state in each chunk
+// it sees (causal and sliding-window masks hide whole chunks from some queries) goes to the query's
+// output when it is the query's only state, else to a slot of partial states; the merge kernel
+// combines a query's slots, over every level and chunk. Only queries that merge have slots.
 //
 // The plan lives in the caller's workspace, so that run() only launches kernels (and a CUDA
 // graph replays whatever the last plan() wrote): an int32 region of header, items and merge
@@ -30,7 +31,7 @@ enum class AttentionKind : int32_t {
 inline constexpr int kAttentionKinds = 3;
 inline constexpr int kDecodeMaxGroup = 4;
 inline constexpr int kMaxLevels = 8;  // cascade levels: kv_indices pointers travel in the params
-inline constexpr int32_t kNoDiagonal = int32_t(1) << 30;  // above every token index: no causal limit
+inline constexpr int32_t kNoDiagonal = int32_t(1) << 30;  // above every token index: no causal or window limit
 
 FK_HOST_DEVICE int kind_rows(AttentionKind kind) {
   return kind == AttentionKind::tile64 ? 64 : kind == AttentionKind::tile16 ? 16 : kDecodeMaxGroup;
@@ -50,38 +51,56 @@ struct AttentionWorkItem {
   int32_t page_begin;     // the group's first entry of kv_indices[level]
   int32_t kv_begin;       // this chunk's tokens: [kv_begin, kv_end) of the group's sequence
   int32_t kv_end;
-  int32_t slot_begin;     // the state slot of the group's first query for this chunk
-  int32_t diagonal;       // causal: the group's query i sees tokens j <= i + diagonal; else kNoDiagonal
-  int32_t unused[3];      // 16-byte items: the kernels load them as int4
+  int32_t slot_base;      // query t's state slot for this chunk is slot_base + t (used only if t merges)
+  int32_t first;          // query i of the group sees the tokens i + first <= j <= i + last: a sliding
+  int32_t last;           //   window (else -kNoDiagonal) and the causal diagonal (else kNoDiagonal)
+  int32_t mask;           // the group's custom mask starts at this bit (row i, token j: mask + i * length + j); -1: none
+  int32_t length;         // the group's tokens
 };
 static_assert(sizeof(AttentionWorkItem) == 48, "items are copied to the device as int32 words");
 inline constexpr int kItemWords = 12;
 
-// The end of the tokens a row of query i (of the item's group) may see in the item's chunk:
-// causally, the group's queries are its last tokens, so query i sees up to token i + diagonal.
+// The tokens [visible_begin, visible_end) a row of query i (of the item's group) may see in the
+// item's chunk: causally, the group's queries are its last tokens, so query i sees up to token
+// i + last (last = length - n_q); a sliding window of w tokens hides those before i + last - w.
+// Empty (begin >= end) when the query sees nothing in the chunk.
 FK_HOST_DEVICE int32_t visible_end(const AttentionWorkItem& item, int32_t i) {
-  const int64_t end = int64_t(i) + item.diagonal + 1;
+  const int64_t end = int64_t(i) + item.last + 1;
   return end < item.kv_end ? int32_t(end) : item.kv_end;
+}
+FK_HOST_DEVICE int32_t visible_begin(const AttentionWorkItem& item, int32_t i) {  // in [kv_begin, kv_end]
+  const int64_t begin = int64_t(i) + item.first;
+  return begin <= item.kv_begin ? item.kv_begin : begin < item.kv_end ? int32_t(begin) : item.kv_end;
+}
+// Whether query i has any token of the chunk to see (then the item writes its state).
+FK_HOST_DEVICE bool sees_chunk(const AttentionWorkItem& item, int32_t i) {
+  return visible_begin(item, i) < visible_end(item, i);
 }
 
 // The int32 words at the start of the workspace.
 struct PlanHeader {
   int32_t count[kAttentionKinds];   // items of each kind
   int32_t items[kAttentionKinds];   // where each kind's items start (words from the workspace start)
-  int32_t merge_indptr;             // [batch + 1]: query t's slots are merge_indices[indptr[t]..indptr[t+1]]
-  int32_t merge_indices;
-  int32_t slots;                    // slots in use
+  int32_t merge_indptr;             // [batch + 1]: query t's states are merge_indices[indptr[t]..indptr[t+1]]
+  int32_t merge_indices;            // their slots (-1 for a query with one state: it has no slot)
+  int32_t states;                   // entries of merge_indices
   int32_t batch;
-  int32_t reserved[6];
+  int32_t identity_levels;          // bit l: level l's kv_indices is the identity (page e is entry e; ragged KV)
+  int32_t reserved[5];
 };
 static_assert(sizeof(PlanHeader) == 64, "the header is 16 words");
 inline constexpr int kHeaderWords = 16;
 
 // Where things are in a workspace of `bytes` for this problem shape: the int32 region holds the
-// header, up to item_capacity items and the merge lists of up to `batch` queries and
-// slot_capacity slots; then slot_capacity partial states (s: [slots, qo_heads] fp32, v: [slots,
-// qo_heads, head_dim] fp32). Depends on the shape only, never on the plan: run() is the same
-// launch for every plan of a shape.
+// header, up to item_capacity items and the merge lists of `batch` queries (up to slot_capacity +
+// batch states: a query with one state has no slot); then slot_capacity partial states (s:
+// [slots, qo_heads] fp32, v: [slots, qo_heads, head_dim] fp32). Depends on the shape only, never
+// on the plan: run() is the same launch for every plan of a shape.
+//
+// Items need no room of their own beyond items_per_state() per slot and per query: an item has a
+// query that sees its chunk; if that query merges, the item holds one of its slots, which at most
+// that many items share (a query's rows straddle two 64-row tiles, or more for a GQA group of over
+// 64 heads); if not, the query has one state, in at most that many items.
 struct WorkspaceLayout {
   int64_t int_words;
   int64_t item_capacity;
@@ -92,25 +111,29 @@ struct WorkspaceLayout {
 
 FK_HOST_DEVICE int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-// Per slot: two items (a query's rows can straddle two tiles), a merge index and the state.
+// The most 64-row tiles that one query's rows (one per head of its GQA group, at most qo_heads) touch.
+FK_HOST_DEVICE int64_t items_per_state(int64_t qo_heads) { return 2 + qo_heads / 64; }
+
+// Per slot: its items, a merge index and the state.
 FK_HOST_DEVICE int64_t workspace_slot_bytes(int64_t qo_heads, int64_t head_dim) {
-  return 4 * (2 * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
+  return 4 * (items_per_state(qo_heads) * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
 }
-FK_HOST_DEVICE int64_t workspace_fixed_bytes(int64_t batch) {
-  return 4 * (kHeaderWords + batch + 1) + 3 * 256;  // + alignment of the regions
+// Per query: its items, the merge_indptr entry and a merge index; plus the header and alignment.
+FK_HOST_DEVICE int64_t workspace_fixed_bytes(int64_t batch, int64_t qo_heads) {
+  return 4 * (kHeaderWords + 1 + batch * (items_per_state(qo_heads) * kItemWords + 2)) + 3 * 256;
 }
 
 // The bytes a workspace needs for `slots` partial states (the inverse of workspace_layout).
 FK_HOST_DEVICE int64_t workspace_bytes(int64_t slots, int64_t batch, int64_t qo_heads, int64_t head_dim) {
-  return workspace_fixed_bytes(batch) + slots * workspace_slot_bytes(qo_heads, head_dim);
+  return workspace_fixed_bytes(batch, qo_heads) + slots * workspace_slot_bytes(qo_heads, head_dim);
 }
 
 FK_HOST_DEVICE WorkspaceLayout workspace_layout(int64_t bytes, int64_t batch, int64_t qo_heads, int64_t head_dim) {
-  const int64_t per_slot = workspace_slot_bytes(qo_heads, head_dim), fixed = workspace_fixed_bytes(batch);
+  const int64_t per_slot = workspace_slot_bytes(qo_heads, head_dim), fixed = workspace_fixed_bytes(batch, qo_heads);
   WorkspaceLayout w{};
-  w.slot_capacity = bytes > fixed ? (bytes - fixed) / per_slot : 0;
-  w.item_capacity = 2 * w.slot_capacity;
-  w.int_words = kHeaderWords + kItemWords * w.item_capacity + batch + 1 + w.slot_capacity;
+  w.slot_capacity = bytes >= fixed ? (bytes - fixed) / per_slot : 0;
+  w.item_capacity = bytes >= fixed ? items_per_state(qo_heads) * (w.slot_capacity + batch) : 0;
+  w.int_words = kHeaderWords + kItemWords * w.item_capacity + batch + 1 + w.slot_capacity + batch;
   w.partial_s_offset = align_up(4 * w.int_words, 256);
   w.partial_v_offset = align_up(w.partial_s_offset + 4 * w.slot_capacity * qo_heads, 256);
   return w;

@@ -147,7 +147,10 @@ struct BatchAttentionParams {
   int batch, qo_heads, kv_heads, head_dim, page_size;
   Divmod page_div;               // by page_size
   const float* sinks;            // [qo_heads] sink logits, or nullptr
+  const uint8_t* custom_mask;    // the custom masks' bits (little-endian in each byte), or nullptr
+  int64_t custom_mask_bytes;     // a bit past them (a plan made for another mask) hides its token
   float sm_scale;
+  float logits_soft_cap;         // > 0: logits are cap * tanh(logit / cap) (Gemma2); 0: none
   float out_scale;               // FlashInfer's v_scale: 1 for plain attention
   DType dtype;                   // q and the cache: f16 or bf16
   DType out_dtype;               // f16 or bf16 (o_data_type)

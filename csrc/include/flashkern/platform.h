@@ -164,6 +164,16 @@ inline constexpr bool kHipBuild = false;
 // next kernel in the stream begin launching (its own wait still holds it until this grid is done).
 // HIP has no PDL, and the emulator runs each launch to its end before the next: both are no-ops there.
 #if defined(FK_GPU)
+// a / b within 2 ulp (0 for |b| > 2^126): one reciprocal on the GPU instead of the IEEE
+// division's subroutine, which cost the decode kernel a spill.
+FK_DEVICE float fast_div(float a, float b) {
+#if defined(FK_DEVICE_PASS)
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
+}
+
 FK_DEVICE void pdl_wait() {
 #if defined(FK_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -70,6 +70,38 @@ def decode_attention(q, k, v, sm_scale=None):
     return torch.einsum("hl,lhd->hd", torch.softmax(logits, dim=-1), v), lse
 
 
+def prefill_attention(q, k, v, causal=False, window_left=-1, logits_soft_cap=0.0, mask=None, sm_scale=None,
+                      sinks=None):
+    """Attention of one request's qo_len query tokens, its last ones, over its kv_len keys: q [qo_len,
+    qo_heads, D], k and v [kv_len, kv_heads, D] (GQA) -> (o [qo_len, qo_heads, D], lse [qo_len,
+    qo_heads]) in the compute dtype (float64 for float64 input). Query i is token i + kv_len - qo_len:
+    causal, it sees the keys j <= that; window_left = w >= 0 hides j < i + kv_len - qo_len - w; mask
+    [qo_len, kv_len] bool (True: may attend) replaces causal; logits_soft_cap c > 0: c * tanh(x / c)
+    after sm_scale; sinks [qo_heads]: one more logit per head, of value zero. A query that sees
+    nothing: (0, -inf) (with a sink: 0 and the sink's logit)."""
+    qo_len, qo_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[:2]
+    c = compute_dtype(q)
+    sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    group = qo_heads // kv_heads
+    k = k.to(c).repeat_interleave(group, dim=1)
+    v = v.to(c).repeat_interleave(group, dim=1)
+    logits = soft_cap(torch.einsum("qhd,khd->hqk", q.to(c), k) * sm_scale, logits_soft_cap)
+    i = torch.arange(qo_len, device=q.device)[:, None] + (kv_len - qo_len)  # each query's position
+    j = torch.arange(kv_len, device=q.device)[None, :]
+    if mask is not None:
+        hidden = ~mask.to(q.device)
+    else:
+        hidden = j > i if causal else torch.zeros(qo_len, kv_len, dtype=torch.bool, device=q.device)
+    if window_left >= 0:
+        hidden = hidden | (j < i - window_left)
+    logits = logits.masked_fill(hidden[None], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [heads, qo_len]
+    weights = torch.exp(logits - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
+    o = torch.einsum("hqk,khd->qhd", weights, v)
+    return final_state(o, lse.transpose(0, 1), sinks, 1.0)
+
+
 def batch_decode(q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout="NHD", sm_scale=None):
     """Paged-KV decode for a batch: q [batch, qo_heads, D], the page table in CSR form (kv_indptr
     [batch + 1], kv_indices, kv_last_page_len [batch]) -> (o [batch, qo_heads, D], lse [batch, qo_heads])."""
@@ -116,13 +148,30 @@ ITEM_WORDS = 12  # attention_work.h: kItemWords
 
 def read_plan(words):
     """A plan (the int32 words at the start of a workspace, attention_work.h) as Python lists:
-    (items per kind, merge_indptr, merge_indices), an item being its first 9 words (level, q_begin,
-    n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin, diagonal). Reads the words back to the host."""
+    (items per kind, merge_indptr, merge_indices, identity_levels), an item being its 12 words (level,
+    q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_base, first, last, mask, length).
+    Reads the words back to the host."""
     w = words.cpu()
     header = w[:16].tolist()
-    count, start, indptr_at, indices_at, slots, batch = header[0:3], header[3:6], header[6], header[7], header[8], header[9]
-    items = [w[start[k] : start[k] + ITEM_WORDS * count[k]].view(-1, ITEM_WORDS)[:, :9].tolist() for k in range(3)]
-    return items, w[indptr_at : indptr_at + batch + 1].tolist(), w[indices_at : indices_at + slots].tolist()
+    count, start, indptr_at, indices_at, states, batch = header[0:3], header[3:6], header[6], header[7], header[8], \
+        header[9]
+    items = [w[start[k] : start[k] + ITEM_WORDS * count[k]].view(-1, ITEM_WORDS).tolist() for k in range(3)]
+    return items, w[indptr_at : indptr_at + batch + 1].tolist(), w[indices_at : indices_at + states].tolist(), header[10]
+
+
+def soft_cap(logits, cap):
+    """Gemma2's logit soft-capping, cap * tanh(logits / cap); cap 0 or None: none."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
+def unpack_mask_bits(packed, begin, count):
+    """Bits begin..begin+count of a packed mask (numpy.packbits(..., bitorder="little")) as bools."""
+    if count == 0:
+        return torch.zeros(0, dtype=torch.bool, device=packed.device)
+    first, last = begin // 8, (begin + count - 1) // 8
+    byte = packed[first : last + 1].long()
+    bits = (byte[:, None] >> torch.arange(8, device=packed.device)) & 1
+    return bits.reshape(-1)[begin - 8 * first : begin - 8 * first + count].bool()
 
 
 def final_state(v, s, sinks, out_scale):
@@ -137,28 +186,33 @@ def final_state(v, s, sinks, out_scale):
     return v * out_scale, s
 
 
-def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks=None, out_scale=1.0):
+def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks=None, out_scale=1.0,
+                    custom_mask=None, logits_soft_cap=0.0):
     """The plan in `words` run with torch, item by item as the kernels run it: each item's state over
-    its KV chunk (causal groups: each query's tokens up to its diagonal) goes straight to (out, lse),
-    finished with the sinks and out_scale, for a query with one state, and to its slot of partial_s /
-    partial_v otherwise; then each query's slots are merged and finished. q [batch, qo_heads, D],
-    k_cache / v_cache [pages, page_size, kv_heads, D] -> (out, lse), in the compute dtype. A page
-    index outside the cache raises ValueError (the kernels write NaN for the query instead)."""
+    its KV chunk (query i of a group sees the tokens j with first <= j - i <= last, and its custom
+    mask's bits) goes straight to (out, lse), finished with the sinks and out_scale, for a query
+    with one state, and to its slot of partial_s / partial_v otherwise; then each query's slots are
+    merged and finished. q [batch, qo_heads, D], k_cache / v_cache [pages, page_size, kv_heads, D]
+    -> (out, lse), in the compute dtype. A page index outside the cache raises ValueError (the
+    kernels write NaN for the query instead)."""
     batch, qo_heads, head_dim = q.shape
     num_pages, page_size, kv_heads = k_cache.shape[:3]
     group = qo_heads // kv_heads
     c = compute_dtype(q)
-    items, indptr, merge_indices = read_plan(words)
+    items, indptr, merge_indices, identity_levels = read_plan(words)
     n_states = torch.tensor([indptr[t + 1] - indptr[t] for t in range(batch)], dtype=torch.long)
     out = torch.zeros(batch, qo_heads, head_dim, dtype=c, device=q.device)
     lse = torch.full((batch, qo_heads), float("-inf"), dtype=c, device=q.device)
     kv_heads_of = torch.arange(kv_heads, device=q.device)
     for kind, kind_items in enumerate(items):
-        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_begin, diagonal in kind_items:
+        for level, q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_base, first, last, mask, length in \
+                kind_items:
             rows = torch.arange(row_begin, min(row_begin + KIND_ROWS[kind], n_q * group), device=q.device)
-            t, head_in_group = q_begin + rows // group, rows % group
+            i, head_in_group = rows // group, rows % group  # the rows' queries in the group
+            t = q_begin + i
             pos = torch.arange(kv_begin, kv_end, device=q.device)
-            pages = kv_indices[level][page_begin + pos // page_size].long()
+            entry = page_begin + pos // page_size
+            pages = entry if identity_levels >> level & 1 else kv_indices[level][entry].long()
             if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
                 raise ValueError(
                     f"batch_attention: kv_indices[{level}] holds page {int(pages.max())} (or a negative one), "
@@ -166,22 +220,29 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
                 )
             k, v = k_cache[pages, pos % page_size].to(c), v_cache[pages, pos % page_size].to(c)  # [n, kv_heads, D]
             heads = kv_heads_of[:, None] * group + head_in_group[None, :]  # [kv_heads, rows]: the q heads
-            logits = torch.einsum("hrd,nhd->hrn", q[t[None, :], heads].to(c), k) * sm_scale
-            hidden = pos[None, :] > (rows // group)[:, None] + diagonal  # [rows, n]: past the row's diagonal
+            logits = soft_cap(torch.einsum("hrd,nhd->hrn", q[t[None, :], heads].to(c), k) * sm_scale, logits_soft_cap)
+            offset = pos[None, :] - i[:, None]
+            hidden = (offset < first) | (offset > last)  # [rows, n]: outside the window or past the diagonal
+            if mask >= 0:
+                bits = unpack_mask_bits(custom_mask, mask, n_q * length).view(n_q, length)
+                hidden |= ~bits[i][:, kv_begin:kv_end]
             logits = logits.masked_fill(hidden[None], float("-inf"))
             s = torch.logsumexp(logits, dim=-1)
             weights = torch.exp(logits - torch.where(s == float("-inf"), 0.0, s)[..., None])  # a row seeing nothing: 0
             o = torch.einsum("hrn,nhd->hrd", weights, v)
+            # a row writes only if its query sees the chunk (else it has no state here)
+            sees = ((i + last + 1).clamp(max=kv_end) > (i + first).clamp(min=kv_begin))[None, :].expand_as(heads)
             tt = t[None, :].expand_as(heads)
-            direct = n_states[t.cpu()].to(q.device)[None, :].expand_as(heads) == 1
+            direct = (n_states[t.cpu()].to(q.device)[None, :].expand_as(heads) == 1) & sees
+            merged = (n_states[t.cpu()].to(q.device)[None, :].expand_as(heads) > 1) & sees
             if sinks is not None or out_scale != 1.0:
                 fo, fs = final_state(o, s, None if sinks is None else sinks.to(q.device)[heads], out_scale)
                 o, s = torch.where(direct[..., None], fo, o), torch.where(direct, fs, s)
             out[tt[direct], heads[direct]] = o[direct]
             lse[tt[direct], heads[direct]] = s[direct]
-            slot = (slot_begin + tt - q_begin)[~direct]
-            partial_v[slot, heads[~direct]] = o[~direct].float()
-            partial_s[slot, heads[~direct]] = s[~direct].float()
+            slot = (slot_base + tt)[merged]
+            partial_v[slot, heads[merged]] = o[merged].float()
+            partial_s[slot, heads[merged]] = s[merged].float()
     for t in range(batch):
         if n_states[t] != 1:  # no state (0, -inf) or several to merge
             slots = torch.tensor(merge_indices[indptr[t] : indptr[t + 1]], dtype=torch.long, device=q.device)

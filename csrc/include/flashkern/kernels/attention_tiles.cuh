@@ -34,7 +34,28 @@ FK_DEVICE int32_t level_entries(const BatchAttentionParams& p, int level) {  // 
 FK_DEVICE AttentionWorkItem load_item(const BatchAttentionParams& p, AttentionKind kind, int i) {
   const int4* w = reinterpret_cast<const int4*>(p.plan + plan_header(p).items[int(kind)] + kItemWords * i);
   const int4 a = w[0], b = w[1], c = w[2];
-  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, {0, 0, 0}};
+  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w};
+}
+
+// A score q.k as the base-2 logit the online softmax takes: times sm_scale, soft-capped where asked
+// (cap * tanh(logit / cap)), times log2 e. The cap is uniform: one branch the whole grid takes alike.
+// tanh(y) = 1 - 2 / (e^2y + 1): one exp2 and a fast division (tanhf, or an IEEE division, costs the
+// decode kernel a spill); the error is absolute, a few 1e-7 * cap in the logit.
+struct LogitMap {
+  float scale;  // applied to q.k first: sm_scale * log2 e, or 2 y log2 e under a soft cap (y = sm_scale q.k / cap)
+  float cap;    // cap * log2 e, or 0: no soft cap
+  FK_DEVICE explicit LogitMap(const BatchAttentionParams& p)
+      : scale(p.logits_soft_cap > 0.f ? 2.f * kLog2e * p.sm_scale / p.logits_soft_cap : p.sm_scale * kLog2e),
+        cap(p.logits_soft_cap > 0.f ? p.logits_soft_cap * kLog2e : 0.f) {}
+  FK_DEVICE float operator()(float scaled) const {
+    return cap > 0.f ? cap - fast_div(2.f * cap, exp2f(scaled) + 1.f) : scaled;
+  }
+};
+
+// Bit `bit` of the custom masks (numpy.packbits(..., bitorder="little")): whether the query may see
+// the token. A bit past the mask's bytes (a plan made for another mask) is never read: hidden.
+FK_DEVICE bool mask_bit(const BatchAttentionParams& p, int32_t bit) {
+  return (bit >> 3) < p.custom_mask_bytes && (p.custom_mask[bit >> 3] >> (bit & 7)) & 1;
 }
 
 // Offset of element d of row `row` in a [rows, kHeadDim] tile of 16-bit values in shared memory.
@@ -68,6 +89,7 @@ struct KVPipeline {
   int64_t k_page, k_slot, v_page, v_slot;  // strides
   const int32_t* pages;                     // the group's entries of kv_indices
   uint32_t entries;                         // how many there are in the page table from `pages` on
+  int32_t identity_base;                    // >= 0: the page table is the identity (ragged KV), from this page
   Divmod page_size;
   uint32_t num_pages;
   int kv_begin, kv_end;
@@ -87,6 +109,7 @@ struct KVPipeline {
     pages = level_indices(p, item.level) + item.page_begin;
     const int32_t left = level_entries(p, item.level) - item.page_begin;
     entries = left > 0 ? uint32_t(left) : 0u;
+    identity_base = (plan_header(p).identity_levels >> item.level) & 1 ? item.page_begin : -1;
     num_pages = uint32_t(p.num_pages < (int64_t(1) << 31) ? p.num_pages : int64_t(1) << 31);  // indices are int32
     kv_begin = item.kv_begin, kv_end = item.kv_end;
   }
@@ -120,7 +143,10 @@ struct KVPipeline {
     for (int i = 0; i < kPasses; ++i) {
       const int pos = last_token(start + row0 + i * kRowsPerPass);
       const uint32_t entry = page_size.div(uint32_t(pos));
-      page[i] = pos < kv_begin ? 0 : entry < entries ? pages[entry] : -1;
+      page[i] = pos < kv_begin        ? 0
+                : identity_base >= 0 ? int32_t(uint32_t(identity_base) + entry)  // checked against the cache
+                : entry < entries    ? pages[entry]
+                                     : -1;
     }
   }
 
@@ -219,13 +245,15 @@ struct StateSink {
 // The end of a block's work on an item whose rows' states are split over `n` parts (thread
 // groups that each saw part of the KV): part i of row r left o[i][r][:] (unnormalized, fp32) and
 // m[i][r], l[i][r] (base 2) in shared memory. The block merges them and writes each valid row
-// with `sink_of(r)`; poisoned, or a NaN in any part: NaN. Threads take (row, 8-dim chunk) pairs.
-template <int kHeadDim, typename SinkOf>
+// with `sink_of(r)` if `writes(r)`; poisoned, or a NaN in any part: NaN. Threads take (row, 8-dim
+// chunk) pairs.
+template <int kHeadDim, typename SinkOf, typename Writes>
 FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float* l, int n, int rows_stride, int rows,
-                                     bool poisoned, SinkOf sink_of) {
+                                     bool poisoned, SinkOf sink_of, Writes writes) {
   constexpr int kChunks = kHeadDim / kVec16Bit;
   for (int i = threadIdx.x; i < rows * kChunks; i += blockDim.x) {
     const int r = i / kChunks, d = (i % kChunks) * kVec16Bit;
+    if (!writes(r)) continue;
     float m_max = -INFINITY;
     bool nan = poisoned;
     for (int j = 0; j < n; ++j) {

@@ -36,11 +36,14 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
   using Pipeline = KVPipeline<T, kHeadDim, S::kTile, S::kThreads, S::kStages, false>;
   FK_DYNAMIC_SHARED(smem);
   const int lane = threadIdx.x % S::kLanes, sub = threadIdx.x / S::kLanes, kv_head = blockIdx.y;
-  const float scale = p.sm_scale * kLog2e;
+  const LogitMap logit(p);
   const int count = plan_header(p).count[int(AttentionKind::decode)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
-    item.kv_end = visible_end(item, 0);  // one query: causally, the group's last token, so the whole chunk
+    // one query: the chunk it sees (causally its group's last token sees it whole; a window may start later)
+    const int32_t begin = visible_begin(item, 0), end = visible_end(item, 0);
+    item.kv_begin = begin;
+    item.kv_end = end > begin ? end : begin;
     const int t = item.q_begin;
     float q[kGroup][kVec16Bit], o[kGroup][kVec16Bit], m[kGroup], l[kGroup];
 #pragma unroll
@@ -49,7 +52,7 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
       x.load(static_cast<const T*>(p.q) + t * p.q_strides[0] + (kv_head * kGroup + h) * p.q_strides[1] +
              lane * kVec16Bit);
 #pragma unroll
-      for (int e = 0; e < kVec16Bit; ++e) q[h][e] = x.f(e) * scale, o[h][e] = 0.f;
+      for (int e = 0; e < kVec16Bit; ++e) q[h][e] = x.f(e) * logit.scale, o[h][e] = 0.f;
       m[h] = -INFINITY, l[h] = 0.f;
     }
 
@@ -82,6 +85,12 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
 #pragma unroll
           for (int h = 0; h < kGroup; ++h) x[j][h] += shfl_xor(x[j][h], offset);
       }  // every lane of the sub-warp now holds the whole logit of each of its tokens, for every head
+      if (logit.cap > 0.f) {  // a soft cap: uniform, so one loop or the other
+#pragma unroll
+        for (int j = 0; j < S::kTokensPerSubwarp; ++j)
+#pragma unroll
+          for (int h = 0; h < kGroup; ++h) x[j][h] = logit(x[j][h]);
+      }
       const int pos0 = item.kv_begin + it * S::kTile + sub;
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) {
@@ -126,7 +135,8 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
     }
     __syncthreads();
     merge_parts_and_store<kHeadDim>(o_parts, m_parts, l_parts, S::kSubwarps, kGroup, kGroup, any_poisoned,
-                                       [&](int h) { return StateSink(p, t, kv_head * kGroup + h, item.slot_begin); });
+                                       [&](int h) { return StateSink(p, t, kv_head * kGroup + h, item.slot_base + t); },
+                                       [](int) { return true; });  // the planner gives the query only chunks it sees
     __syncthreads();  // the next item's copies overwrite the parts
   }
   pdl_launch_dependents();  // this block has read and written what it will

@@ -47,15 +47,19 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM, kv_head = blockIdx.y;
   const int group = p.qo_heads / p.kv_heads;
-  const float scale = p.sm_scale * kLog2e;
+  const LogitMap logit(p);
   const int count = plan_header(p).count[int(kKind)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, kKind, w);
     const int rows = kItemRows < item.n_q * group - item.row_begin ? kItemRows : item.n_q * group - item.row_begin;
-    auto query_of = [&](int r) { return item.q_begin + (item.row_begin + r) / group; };
-    // causal: no row sees past its query's diagonal, so the chunk ends at the last row's (maybe before it starts)
-    const int32_t last_visible = visible_end(item, (item.row_begin + rows - 1) / group);
-    item.kv_end = last_visible > item.kv_begin ? last_visible : item.kv_begin;
+    auto index_of = [&](int r) { return (item.row_begin + r) / group; };  // the row's query, in the group
+    auto query_of = [&](int r) { return item.q_begin + index_of(r); };
+    // causal and window masks: the tile's rows see no token before its first row's first visible one,
+    // nor after its last row's last one, so the chunk is trimmed to those (it may become empty)
+    const int32_t begin = visible_begin(item, index_of(0)), end = visible_end(item, index_of(rows - 1));
+    item.kv_begin = begin;
+    item.kv_end = end > begin ? end : begin;
+    const bool masked = item.mask >= 0;  // a custom mask: uniform over the item
     auto head_of = [&](int r) { return kv_head * group + (item.row_begin + r) % group; };
     for (int i = threadIdx.x; i < kItemRows * kChunks; i += S::kThreads) {  // q rows, zeros past the last
       const int r = i / kChunks, d = (i % kChunks) * kVec16Bit;
@@ -70,11 +74,11 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
 
     Warp tile(lane);
     float m[kSlots], l[kSlots];  // l: this lane's share until the end
-    int32_t end[kSlots];         // the tokens each row slot sees end here (the chunk's end, or causally before)
+    int32_t query[kSlots];       // each row slot's query in the group: it sees tokens j with first <= j - query <= last
 #pragma unroll
     for (int r = 0; r < kSlots; ++r) {
       m[r] = -INFINITY, l[r] = 0.f;
-      end[r] = visible_end(item, (item.row_begin + wm * S::kWarpRows + tile.slot_row(r)) / group);
+      query[r] = index_of(wm * S::kWarpRows + tile.slot_row(r));
     }
     for (int it = 0; it < tiles_n; ++it) {
       if constexpr (S::kStages > 1) {
@@ -98,7 +102,11 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
       for (int f = 0; f < Warp::kSF; ++f)
 #pragma unroll
         for (int e = 0; e < Warp::kSE; ++e) {
-          const float x = token0 + tile.s_token(f, e) < end[Warp::s_slot(f, e)] ? tile.s[f][e] * scale : -INFINITY;
+          const int token = token0 + tile.s_token(f, e), i = query[Warp::s_slot(f, e)];
+          bool seen = token < item.kv_end && token - i >= item.first && token - i <= item.last;
+          if (masked)  // padding rows past the group's queries have no mask row; < 2^31 bits (the planner)
+            seen = seen && i < item.n_q && mask_bit(p, item.mask + i * item.length + token);
+          const float x = seen ? logit(tile.s[f][e] * logit.scale) : -INFINITY;
           tile.s[f][e] = x;
           tile_max[Warp::s_slot(f, e)] = fmaxf(tile_max[Warp::s_slot(f, e)], x);
         }
@@ -125,13 +133,14 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     for (int r = 0; r < kSlots; ++r) l[r] = Warp::row_sum(l[r]);
     cp_async_wait<0>();
     const bool any_poisoned = __syncthreads_or(pipe.poisoned);  // also: every warp is done with q and the tiles
-    auto sink_of = [&](int r) { return StateSink(p, query_of(r), head_of(r), item.slot_begin + query_of(r) - item.q_begin); };
+    auto sink_of = [&](int r) { return StateSink(p, query_of(r), head_of(r), item.slot_base + query_of(r)); };
+    auto writes = [&](int r) { return r < rows && sees_chunk(item, index_of(r)); };  // else: not its chunk
 
     if constexpr (S::kWide) {  // each warp writes its rows from its registers
 #pragma unroll
       for (int slot = 0; slot < kSlots; ++slot) {
         const int r = wm * S::kWarpRows + tile.slot_row(slot);
-        if (r < rows) {
+        if (writes(r)) {
           const StateSink sink = sink_of(r);
           const FinalState fin = sink.finish(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
           const float inv = any_poisoned ? NAN : l[slot] == 0.f ? 0.f : fin.scale / l[slot];  // a NaN l stays NaN
@@ -162,7 +171,8 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
         }
       }
       __syncthreads();
-      merge_parts_and_store<kHeadDim>(o_parts, m_parts, l_parts, S::kWarpsN, kItemRows, rows, any_poisoned, sink_of);
+      merge_parts_and_store<kHeadDim>(o_parts, m_parts, l_parts, S::kWarpsN, kItemRows, rows, any_poisoned, sink_of,
+                                      writes);
       __syncthreads();  // the next item's copies overwrite the parts
     }
   }
