@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flashkern.tolerances import MODEL_TOLERANCE
 
 transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
-from flashkern.integrations.transformers import FAMILIES, apply_flashkern  # noqa: E402
+from flashkern.integrations.transformers import FAMILIES, apply_flashkern, flashkern_attention  # noqa: E402
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -136,3 +136,53 @@ def test_dtypes_the_kernels_do_not_take_run_as_before(restore_rope):
     torch.testing.assert_close(norm(x), type(norm).forward(norm, x))  # fp32 input, bf16 weight
     with torch.autocast("cpu", dtype=torch.float16):
         assert torch.isfinite(model(input_ids=ids).logits.float()).all()
+
+
+ATTENTION_FAMILIES = {  # config extras: Mistral's sliding window, Gemma2's soft cap and alternating windows
+    "llama": {},
+    "mistral": {"sliding_window": 9},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma2": {"sliding_window": 9, "attn_logit_softcapping": 5.0, "query_pre_attn_scalar": 64},
+}
+
+
+def make_attention_model(model_type, dtype):
+    """A tiny model with head_dim 64 (a size the attention kernels take)."""
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    config = config_cls(**{**SMALL, "hidden_size": 128}, head_dim=64, **ATTENTION_FAMILIES[model_type])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(ATTENTION_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_logits_and_generate(device, model_type, dtype, restore_rope):
+    """attention=True: logits equal the eager model's (sliding windows and soft caps from the config,
+    padding through a mask), the prompt and each generation step through flashkern's prefill, and
+    greedy generate() gives the same tokens (float32)."""
+    model = make_attention_model(model_type, dtype).to(device)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3)).to(device)
+    padding = torch.ones_like(ids)
+    padding[1, :3] = 0  # left padding in the second sequence: a custom mask
+    with torch.no_grad():
+        expected = [eager(input_ids=ids).logits, eager(input_ids=ids, attention_mask=padding).logits]
+        default = model.config._attn_implementation
+        assert apply_flashkern(model, attention=True)["attention"] == [default]  # what it replaced
+        with OpLog() as log:
+            logits = [model(input_ids=ids).logits, model(input_ids=ids, attention_mask=padding).logits]
+    assert model.config._attn_implementation == "fk_attention"
+    assert transformers.AttentionInterface()["fk_attention"] is flashkern_attention
+    tolerance = MODEL_TOLERANCE if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(logits[0], expected[0], **tolerance)
+    torch.testing.assert_close(logits[1][0], expected[1][0], **tolerance)
+    torch.testing.assert_close(logits[1][1, 3:], expected[1][1, 3:], **tolerance)  # past the padding
+    if dtype != torch.float32:
+        assert "batch_attention" in {name for name, _ in log.calls}  # the attention op is what runs
+        return
+    with torch.no_grad():
+        generated = model.generate(ids[:, :6], max_new_tokens=12, do_sample=False)
+        reference = eager.generate(ids[:, :6], max_new_tokens=12, do_sample=False)
+    assert torch.equal(generated, reference)

@@ -6,6 +6,9 @@ on flashkern's kernels:
 
 Families: Llama, Mistral, Qwen2, Qwen3 (including its per-head q/k norms) and Gemma, Gemma2 (whose
 norm multiplies by 1 + weight, in float32, then casts: flashkern's gemma_rmsnorm does the same).
+With attention=True the model's attention runs through flashkern's prefill attention too (the
+prompt pass and every generation step): transformers' attention interface under the name
+"fk_attention" (also usable as attn_implementation="fk_attention" once registered_attention() ran).
 RMSNorm and MLP modules are patched one by one, in this model only. The rotary embedding is the
 module-level apply_rotary_pos_emb of the family's modeling file, so that patch applies to every
 model of the family in the process (as the attention layers look it up there).
@@ -80,10 +83,54 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **_):
             k_out.view(batch, tokens, k.shape[1], head_dim).transpose(1, 2))
 
 
-def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True):
+def flashkern_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                        softcap=None, **_):
+    """transformers' attention interface on flashkern: query [B, H, q, D], key / value [B, Hkv, kv, D]
+    -> ([B, q, H, D], None). The queries are the last q tokens of the kv ones (the KV cache's
+    layout). No mask: causal, with the layer's sliding window (transformers' sliding_window W: the
+    last W keys, i.e. window_left = W - 1) and soft cap. A mask (padding, or any other: transformers
+    builds it with its sdpa mask function, window included, True = may attend): each sequence's
+    rows as a custom mask."""
+    if dropout and module.training:
+        raise ValueError("flashkern attention has no dropout; use the model in eval mode or attn_implementation='eager'")
+    batch, heads, q_len, head_dim = query.shape
+    window = -1 if sliding_window is None else int(sliding_window) - 1
+    outs = []
+    for b in range(batch):
+        q, k, v = query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1)  # NHD views
+        mask = None
+        if attention_mask is not None:
+            rows = attention_mask[b, 0] if attention_mask.dim() == 4 else attention_mask[b]
+            mask = rows if rows.dtype == torch.bool else rows == 0  # additive masks: 0 where visible
+            mask = mask[-q_len:, -k.shape[0]:].reshape(-1)
+        outs.append(flashkern.single_prefill_with_kv_cache(
+            q.contiguous(), k.contiguous(), v.contiguous(), custom_mask=mask, causal=mask is None,
+            sm_scale=scaling, window_left=window if mask is None else -1, logits_soft_cap=softcap))
+    return torch.stack(outs), None
+
+
+# transformers takes any attn_implementation whose name contains "flash" for a FlashAttention
+# variant (and looks for it on the hub), hence not "flashkern".
+ATTENTION_NAME = "fk_attention"
+
+
+def registered_attention():
+    """Registers ATTENTION_NAME with transformers' attention and attention-mask interfaces (the mask
+    function is transformers' sdpa one: None when causal order alone describes it). Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, flashkern_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
+
+
+def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False):
     """Replace, in `model`, the RMSNorm modules, the gated MLPs' activation-and-multiply and the rotary
-    application with flashkern ops. Returns what was replaced:
-    {"rmsnorm": [module names], "swiglu": [module names], "rope": ["module.function"]}.
+    application with flashkern ops, and with attention=True its attention implementation (the
+    prompt through causal prefill, with the config's sliding window and soft cap; generation steps
+    the same way). Returns what was replaced: {"rmsnorm": [module names], "swiglu": [module names],
+    "rope": ["module.function"], "attention": [the implementation it replaced]}.
     Raises ValueError for a model family it does not know."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
@@ -106,11 +153,14 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True):
                     f"kernel for (it has {', '.join(sorted(set(ACTIVATIONS.values())))}); pass swiglu=False"
                 )
             patches.append(("swiglu", name, module, _mlp_forward(activation)))
-    replaced = {"rmsnorm": [], "swiglu": [], "rope": []}
+    replaced = {"rmsnorm": [], "swiglu": [], "rope": [], "attention": []}
     for kind, name, module, forward in patches:
         module.forward = types.MethodType(forward, module)
         replaced[kind].append(name)
     if rope:
         modeling.apply_rotary_pos_emb = _apply_rotary_pos_emb
         replaced["rope"].append(f"{module_name}.apply_rotary_pos_emb")
+    if attention:
+        replaced["attention"].append(model.config._attn_implementation)
+        model.set_attn_implementation(registered_attention())
     return replaced
