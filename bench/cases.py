@@ -612,3 +612,109 @@ def _flashkern():
     import flashkern
 
     return flashkern
+
+
+# ---------------------------------------------------------------- prefill and append attention (ragged KV)
+
+# Llama-3 8B's heads (32 q heads, 8 KV heads) at head_dim 128; head_dim 64 and 256 at the same width.
+PREFILL_HEADS = (2, 1) if BENCH_SET == "smoke" else (32, 8)
+
+
+def prefill_shapes():
+    """[(label, requests, (qo_lens, kv_lens, head_dim, causal))]: self-attention of whole prompts
+    (qo = kv), a batch of mixed lengths, and appends of a few tokens to a long cached prefix."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 2, ((40, 7), (40, 7), 64, True))]
+    shapes = []
+    seqs = (512, 2048, 8192, 32768) if BENCH_SET == "full" else (512, 4096, 16384)
+    for d in (64, 128, 256):
+        for n in seqs:
+            for causal in (True, False):
+                batch = max(1, 16384 // n)
+                shapes.append((f"seq={n} x{batch} d={d}{' causal' if causal else ''}", batch,
+                               ((n,) * batch, (n,) * batch, d, causal)))
+    mixed = (8192, 2048, 512, 512, 128, 4096, 1024, 64)
+    shapes.append(("mixed x8 d=128 causal", 8, (mixed, mixed, 128, True)))
+    for qo in (1, 16, 64):
+        shapes.append((f"append {qo} to 32768 x4 d=128", 4, ((qo,) * 4, (32768,) * 4, 128, True)))
+    return shapes
+
+
+def prefill_visible_pairs(qo_lens, kv_lens, causal):
+    """The (query, key) pairs attention computes: masked work is not counted."""
+    pairs = 0
+    for n, m in zip(qo_lens, kv_lens):
+        pairs += sum(min(m, m - n + i + 1) for i in range(n)) if causal else n * m
+    return pairs
+
+
+def prefill_flops(shape):
+    qo_lens, kv_lens, d, causal = shape
+    return 4 * PREFILL_HEADS[0] * d * prefill_visible_pairs(qo_lens, kv_lens, causal)  # QK^T and PV, 2 flops a MAC
+
+
+def prefill_bytes(shape, dtype):
+    """q, k, v read once, out written once, and the LSE."""
+    qo_lens, kv_lens, d, _ = shape
+    s = torch.finfo(dtype).bits // 8
+    qo_heads, kv_heads = PREFILL_HEADS
+    q = sum(qo_lens)
+    return 2 * q * qo_heads * d * s + 2 * sum(kv_lens) * kv_heads * d * s + 4 * q * qo_heads
+
+
+class PrefillCase:
+    """Ragged q, k, v and a planned BatchPrefillWithRaggedKVCacheWrapper."""
+
+    def __init__(self, seed, shape, dtype):
+        qo_lens, kv_lens, d, causal = shape
+        qo_heads, kv_heads = PREFILL_HEADS
+        self.q = rand((sum(qo_lens), qo_heads, d), dtype, seed)
+        self.k = rand((sum(kv_lens), kv_heads, d), dtype, 10**5 + seed)
+        self.v = rand((sum(kv_lens), kv_heads, d), dtype, 2 * 10**5 + seed)
+        i32 = lambda values: torch.tensor([0] + torch.tensor(values).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+        self.indptr = (i32(qo_lens), i32(kv_lens))
+        self.shape, self.dtype = shape, dtype
+        self.wrapper = _flashkern().BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+        self.wrapper.plan(*self.indptr, qo_heads, kv_heads, d, causal=causal, q_data_type=dtype)
+
+
+def prefill_inputs(shape, dtype):
+    return lambda seed: (PrefillCase(seed, shape, dtype),)
+
+
+def _sdpa_prefill(case):
+    """torch SDPA (its flash / memory-efficient backends) per request, bottom-right causal as an append needs."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    qo_lens, kv_lens, _, causal = case.shape
+    qo, kv = case.indptr
+    parts = []
+    for b in range(len(qo_lens)):
+        q = case.q[qo[b] : qo[b + 1]].transpose(0, 1)[None]
+        k = case.k[kv[b] : kv[b + 1]].transpose(0, 1)[None]
+        v = case.v[kv[b] : kv[b + 1]].transpose(0, 1)[None]
+        mask = causal_lower_right(q.shape[2], k.shape[2]) if causal and q.shape[2] != k.shape[2] else None
+        parts.append((q, k, v, mask, causal and mask is None))
+
+    def run():
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, enable_gqa=True)
+                for q, k, v, m, c in parts]
+
+    return run
+
+
+def _flashinfer_prefill(case):
+    import flashinfer
+
+    qo_lens, kv_lens, d, causal = case.shape
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(), "NHD")
+    wrapper.plan(*(t.to(case.q.device) for t in case.indptr), *PREFILL_HEADS, d, causal=causal,
+                 q_data_type=case.dtype)
+    return lambda: wrapper.run(case.q, case.k, case.v)
+
+
+PREFILL = [
+    Provider("flashkern", lambda case: (lambda: case.wrapper.run(case.q, case.k, case.v)), requires="flashkern"),
+    Provider("torch", _sdpa_prefill),
+    Provider("flashinfer", _flashinfer_prefill, "flashinfer", True),
+]

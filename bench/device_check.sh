@@ -50,8 +50,9 @@ step tests "$OUT/tests.log" 300 $PY -m pytest -q -p no:cacheprovider tests
 
 # ---- 3 sanitizer: small shapes of every kernel
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
-SUBSET=(tests/test_norm.py tests/test_act_and_mul.py tests/test_decode.py tests/test_cascade.py -q -p no:cacheprovider
-        -k "cuda and (((1-1 or 37-7 or 37-769) and not float32) or head_dims_and_layouts or large_groups or three_levels)")
+SUBSET=(tests/test_norm.py tests/test_act_and_mul.py tests/test_decode.py tests/test_cascade.py tests/test_prefill.py
+        -q -p no:cacheprovider -k "cuda and (((1-1 or 37-7 or 37-769) and not float32) or head_dims_and_layouts or
+        large_groups or three_levels or ragged_prefill or custom_masks or sliding_window)")
 if [ "$BACKEND" = cuda ] && [ -n "$SANITIZER" ]; then
   step memcheck "$OUT/sanitizer.log" 150 "$SANITIZER" --tool memcheck --error-exitcode 1 $PY -m pytest "${SUBSET[@]}"
   step racecheck "$OUT/sanitizer.log" 150 "$SANITIZER" --tool racecheck --error-exitcode 1 $PY -m pytest "${SUBSET[@]}"
@@ -73,9 +74,10 @@ step report "$OUT/bench.log" 60 $PY -m bench.report "$OUT/bench.json" --out "$OU
   echo "tests: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/tests.log" | tail -1)"
   if [ -f "$OUT/bench.md" ]; then
     echo
-    echo "flashkern, GB/s and speedup over torch (all rows in bench.md):"
-    awk -F'|' '/^## /{op=substr($0, 4)} $4 ~ /^ flashkern $/{printf "  %-24s %-16s %-9s %7s GB/s %4s%% peak %7s\n", op, $2, $3, $6, $7, $9}' \
-      "$OUT/bench.md" | head -30
+    echo "flashkern, GB/s (prefill: TFLOP/s) and % of peak, speedup over the baseline (all rows in bench.md):"
+    awk -F'|' '/^## /{op=substr($0, 4)} /^\| shape/{unit=($0 ~ /TFLOP/) ? "TFLOP/s" : "GB/s"}
+      $4 ~ /^ flashkern $/{printf "  %-24s %-16s %-9s %7s %-7s %4s%% peak %7s\n", op, $2, $3, $6, unit, $7,
+                           $9}' "$OUT/bench.md" | head -40
   fi
 } >"$SUMMARY"
 rm -f "$SUMMARY.steps"

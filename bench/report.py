@@ -28,6 +28,9 @@ def load(paths):
 
 # The provider each op's rows are compared with ("speedup" column); torch unless named here.
 BASELINE = {"cascade": "flashkern (no cascade)"}
+# Dense fp16/bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), for
+# ops that report FLOPs (prefill attention).
+DENSE_16BIT_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0}
 
 
 def speedups(items, op):
@@ -64,8 +67,22 @@ def markdown(rows, sources):
     by_op = defaultdict(list)
     for _, b in rows:
         by_op[(b["extra_info"]["op"], "sweep" in b.get("group", ""))].append(b["extra_info"])
+    tensor_peak = next((DENSE_16BIT_TFLOPS[m["gpu"]] for m in machines.values() if m.get("gpu") in DENSE_16BIT_TFLOPS),
+                       None)
     for (op, sweep), items in sorted(by_op.items()):
         ratio = speedups(items, op)
+        if any(e.get("tflops") for e in items):  # compute-bound: TFLOP/s of the unmasked work first
+            lines += [f"## {op}{' (sweep)' if sweep else ''}", "",
+                      f"| shape | dtype | provider | median µs | TFLOP/s | % dense 16-bit peak | GB/s | vs torch | "
+                      "host µs |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+            for e in sorted(items, key=lambda e: (e["shape"], e["dtype"], e["provider"])):
+                speedup = ratio.get((tuple(e["shape"]), e["dtype"], e["provider"]))
+                pct = 100 * e["tflops"] / tensor_peak if tensor_peak and e.get("tflops") else None
+                lines.append(f"| {tuple(e['shape'])} | {e['dtype']} | {e['provider']} | "
+                             f"{_fmt(e.get('median_us'), '.2f')} | {_fmt(e.get('tflops'), '.4g')} | {_fmt(pct, '.0f')} | "
+                             f"{_fmt(e.get('gbps'), '.4g')} | {_fmt(speedup, '.2f')}x | {_fmt(e.get('host_us'), '.1f')} |")
+            lines.append("")
+            continue
         lines += [
             f"## {op}{' (sweep)' if sweep else ''}",
             "",

@@ -32,3 +32,12 @@ def test_cascade(benchmark, provider, label, batch, shape, dtype):
                      bytes_moved=cases.cascade_bytes(batch, shape, dtype),
                      make_inputs=cases.cascade_inputs(batch, shape, dtype))
     benchmark.extra_info["prefix_len"] = extra["prefix_len"] = prefix
+
+
+@pytest.mark.benchmark(group="prefill")
+@pytest.mark.parametrize("provider,label,batch,shape,dtype", params(cases.PREFILL, cases.prefill_shapes()))
+def test_prefill(benchmark, provider, label, batch, shape, dtype):
+    """TFLOP/s of the visible (query, key) pairs only, and GB/s of q, k, v and the output."""
+    bench_op(benchmark, op="prefill", provider=provider, shape=(batch, max(shape[0]), max(shape[1]), shape[2]),
+             dtype=dtype, bytes_moved=cases.prefill_bytes(shape, dtype), make_inputs=cases.prefill_inputs(shape, dtype),
+             flops=cases.prefill_flops(shape))

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "gelu_and_mul",
-       "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states", "batch_decode", "cascade"}
+       "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states", "batch_decode", "cascade", "prefill"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def test_every_op_is_measured_with_bytes_and_bandwidth(bench_json):
         baseline = "flashkern (no cascade)" if op == "cascade" else "torch"
         assert {"flashkern", baseline} <= providers, (op, providers)
     assert all(e["prefix_len"] > 0 for e in extras if e["op"] == "cascade")
+    assert all(e["flops"] > 0 and e["tflops"] > 0 for e in extras if e["op"] == "prefill")
 
 
 def test_clock_reports_time_per_launch():
@@ -69,6 +70,7 @@ def test_report_writes_table_and_plot(bench_json, tmp_path):
         assert f"## {op}" in md
     assert "| flashkern |" in md and "vs torch" in md and "test-commit" in md and "not run:" in md
     assert "vs flashkern (no cascade)" in md
+    assert "TFLOP/s" in md  # prefill is measured in FLOPs of the unmasked work
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
