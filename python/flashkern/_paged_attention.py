@@ -59,6 +59,20 @@ def kv_cache_views(op, paged_kv_cache, kv_layout):
     return k, v
 
 
+def check_window_left(op, window_left):
+    """window_left: an int, -1 (no window) or the tokens before the query's own that it also sees."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"{op}: window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+
+
+def host_indptr(op, name, indptr):
+    """A CSR indptr [batch + 1] (any device) as a host int32 tensor, and the batch size."""
+    check_tensor(op, name, indptr)
+    if indptr.dim() != 1 or indptr.shape[0] < 1:
+        raise ValueError(f"{op}: {name} must be 1-D with batch_size + 1 entries, got shape {tuple(indptr.shape)}")
+    return host_int32(op, name, indptr), indptr.shape[0] - 1
+
+
 def split_length(op, fixed_split_size, disable_split_kv, page_size):
     """FlashInfer's split options as the planner's chunk length: None (the device's choice),
     MAX_KV_LENGTH (disable_split_kv: no split) or fixed_split_size pages' tokens."""
@@ -271,8 +285,7 @@ class PagedAttention:
             raise TypeError(f"{op}: kv_data_type must equal q_data_type ({q_dtype}), got {kv_dtype}")
         sm_scale = float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)
         logits_soft_cap = soft_cap_value(op, logits_soft_cap)
-        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-            raise ValueError(f"{op}: window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+        check_window_left(op, window_left)
         max_page = -1
         for i, (_, kv_indptr, indices, _) in enumerate(levels):
             if identity and i == len(levels) - 1:

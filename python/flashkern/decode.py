@@ -12,14 +12,16 @@ from ._paged_attention import (
     PagedAttention,
     attention_dtype,
     check_buffer,
+    check_window_left,
     csr_page_table,
     fill_buffer,
+    host_indptr,
     host_int32,
     reject_unsupported,
     single_request_kv,
     split_length,
 )
-from ._validate import check_enable_pdl, check_positive_int, check_tensor
+from ._validate import check_enable_pdl, check_positive_int
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -152,11 +154,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise TypeError(f"{op}: q_data_type must be torch.float16 or torch.bfloat16, got None")
         kv_dtype = attention_dtype(op, "kv_data_type", kv_data_type, default=q_dtype)
         o_dtype = attention_dtype(op, "o_data_type", o_data_type, default=q_dtype)
-        check_tensor(op, "indptr", indptr)
-        if indptr.dim() != 1 or indptr.shape[0] < 1:
-            raise ValueError(f"{op}: indptr must be 1-D with batch_size + 1 entries, got shape {tuple(indptr.shape)}")
-        batch = indptr.shape[0] - 1
-        indptr_h = host_int32(op, "indptr", indptr)
+        indptr_h, batch = host_indptr(op, "indptr", indptr)
         last_h = host_int32(op, "last_page_len", last_page_len, batch)
         indices_h = host_int32(op, "indices", indices)
         indices_d = None if dry_run else self._device_indices(op, indices, indptr, last_page_len, batch)
@@ -262,8 +260,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
         raise ValueError(f"{op}: k and v must hold at least one token")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"{op}: window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    check_window_left(op, window_left)
     wrapper = _single_plan(q.device, q.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
                            None if sm_scale is None else float(sm_scale), window_left)
     # the whole sequence as one page of kv_len tokens

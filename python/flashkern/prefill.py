@@ -22,7 +22,9 @@ from ._paged_attention import (
     PagedAttention,
     attention_dtype,
     check_buffer,
+    check_window_left,
     fill_buffer,
+    host_indptr,
     host_int32,
     reject_unsupported,
     scale_factor,
@@ -86,7 +88,6 @@ class _Prefill:
             raise ValueError(f"{op}: jit_kwargs (custom JIT kernels in FlashInfer) is not supported by flashkern")
         self._core = PagedAttention(op, float_workspace_buffer, kv_layout, use_cuda_graph)
         self._buffers = buffers  # {name: fixed int32 / uint8 buffer} under CUDA graphs
-        self._backend = backend
         self._causal = False
         if use_cuda_graph:
             for name, buffer in buffers.items():
@@ -256,12 +257,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
                               seq_lens=seq_lens, seq_lens_q=seq_lens_q, block_tables=block_tables,
                               max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv)
         check_positive_int(op, "page_size", page_size)
-        check_tensor(op, "paged_kv_indptr", paged_kv_indptr)
-        if paged_kv_indptr.dim() != 1 or paged_kv_indptr.shape[0] < 1:
-            raise ValueError(f"{op}: paged_kv_indptr must be 1-D with batch_size + 1 entries")
-        batch = paged_kv_indptr.shape[0] - 1
+        kv_h, batch = host_indptr(op, "paged_kv_indptr", paged_kv_indptr)
         qo_h = host_int32(op, "qo_indptr", qo_indptr, batch + 1)
-        kv_h = host_int32(op, "paged_kv_indptr", paged_kv_indptr)
         last_h = host_int32(op, "paged_kv_last_page_len", paged_kv_last_page_len, batch)
         indices_h = host_int32(op, "paged_kv_indices", paged_kv_indices)
         pages = (kv_h[1:] - kv_h[:-1]).long()
@@ -355,12 +352,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Prefill):
                               token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
                               seq_lens=seq_lens, seq_lens_q=seq_lens_q, max_token_per_sequence=max_token_per_sequence,
                               max_sequence_kv=max_sequence_kv, v_indptr=v_indptr, o_indptr=o_indptr)
-        check_tensor(op, "kv_indptr", kv_indptr)
-        if kv_indptr.dim() != 1 or kv_indptr.shape[0] < 1:
-            raise ValueError(f"{op}: kv_indptr must be 1-D with batch_size + 1 entries")
-        batch = kv_indptr.shape[0] - 1
+        kv_h, batch = host_indptr(op, "kv_indptr", kv_indptr)
         qo_h = host_int32(op, "qo_indptr", qo_indptr, batch + 1)
-        kv_h = host_int32(op, "kv_indptr", kv_indptr)
         lengths = (kv_h[1:] - kv_h[:-1]).long()
         if int(kv_h[0]) != 0 or bool((lengths < 0).any()):
             raise ValueError(f"{op}: kv_indptr must start at 0 and be non-decreasing, got {kv_h.tolist()}")
@@ -517,8 +510,7 @@ def _single_prefill_reference(op, q, k, v, custom_mask, packed_custom_mask, caus
         mask = ref.attention.unpack_mask_bits(mask, 0, qo_len * kv_len).view(qo_len, kv_len)
     elif causal and qo_len > kv_len:
         raise ValueError(f"{op}: causal attention needs qo_len <= kv_len, got {qo_len} queries and {kv_len} keys")
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"{op}: window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    check_window_left(op, window_left)
     sinks = sink_logits(op, sinks, q.shape[1], q.device)
     return ref.attention.prefill_attention(q, k, v, causal=causal, window_left=window_left,
                                            logits_soft_cap=soft_cap_value(op, logits_soft_cap), mask=mask,
