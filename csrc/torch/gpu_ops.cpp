@@ -6,12 +6,13 @@
 // Built with FLASHKERN_EMULATED_OPS=<namespace> and linked with the launchers compiled for the CPU
 // emulation (CMakeLists.txt: FLASHKERN_EMULATE), the same code serves CPU tensors as the ops of that
 // namespace, which the emulate backends call (python/flashkern/_backend.py).
-// Each op family's glue is its own file in glue/ (norm, activation, rope, attention); this file
+// Each op family's glue is its own file in glue/ (norm, activation, rope, attention, sampling); this file
 // registers them all, for the GPU key or, in the emulated builds, as their own op namespace.
 #include "glue/activation.h"
 #include "glue/attention.h"
 #include "glue/norm.h"
 #include "glue/rope.h"
+#include "glue/sampling.h"
 
 namespace {
 
@@ -20,6 +21,7 @@ void register_impls(torch::Library& m) {
   register_activation(m);
   register_rope(m);
   register_attention(m);
+  register_sampling(m);
 }
 
 }  // namespace

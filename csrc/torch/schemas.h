@@ -47,6 +47,25 @@ inline void define_schemas(torch::Library& m) {
       "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
       "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0, "
       "bool enable_pdl=False, Tensor? custom_mask=None, float logits_soft_cap=0.0) -> ()");
+  // one token per row of probs [rows, vocab] float32 (or per indices entry): filter 'none', 'top_k',
+  // 'top_p', 'min_p' or 'top_k_top_p' (joint), each parameter a scalar or a [batch] tensor; random
+  // numbers from Philox keyed by seed and offset (values or [1] / [batch] int64 tensors). Returns the
+  // tokens (int32, or indices' dtype) and whether each row had mass to sample from.
+  m.def(
+      "sampling(Tensor probs, Tensor? indices, str filter, Tensor? top_k_arr, int top_k, Tensor? top_p_arr, "
+      "float top_p, Tensor? min_p_arr, float min_p, Tensor? seed_arr, int seed, Tensor? offset_arr, int offset) "
+      "-> (Tensor samples, Tensor valid)");
+  // kind 'top_k_probs' / 'top_p_probs': keep the top-k / top-p probabilities and renormalize;
+  // 'top_k_logits': the others become -inf
+  m.def("renorm(Tensor input, str kind, Tensor? top_k_arr, int top_k, Tensor? top_p_arr, float top_p) -> Tensor");
+  // speculative verification along a tree of candidates (ops.h: SpeculativeParams); mode 'greedy'
+  // (target logits) or 'sample' (target, and draft, probabilities); parents None: a chain.
+  // Returns tokens [batch, nodes] and accepted nodes [batch, nodes - 1] (-1 padded), the number
+  // accepted [batch] and, for a sampled chain, how many draft tokens pass their own test [batch].
+  m.def(
+      "speculative(Tensor target, Tensor? draft, Tensor candidates, int first_candidate, Tensor? parents, str mode, "
+      "Tensor? seed_arr, int seed, Tensor? offset_arr, int offset) "
+      "-> (Tensor tokens, Tensor nodes, Tensor num_accepted, Tensor independent_accepted)");
 }
 
 }  // namespace flashkern

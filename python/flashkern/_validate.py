@@ -286,3 +286,137 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
             raise ValueError(f"{op}: custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on {q.device}")
     if not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
         raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
+
+
+# ---- sampling, renormalization, speculative verification (csrc/torch/glue/sampling.h) ----
+
+SAMPLE_FILTERS = ("none", "top_k", "top_p", "min_p", "top_k_top_p")
+RENORM_KINDS = ("top_k_probs", "top_p_probs", "top_k_logits")
+
+
+def check_probs(op, name, probs):
+    check_tensor(op, name, probs)
+    if probs.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be torch.float32, got {probs.dtype}")
+    if probs.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D (batch, vocab), got shape {tuple(probs.shape)}")
+    if not 0 < probs.shape[1] < 2**31:
+        raise ValueError(f"{op}: {name} must have between 1 and 2^31 - 1 columns, got {probs.shape[1]}")
+    check_last_dim_contiguous(op, name, probs)
+
+
+def check_row_param(op, name, t, ref, batch, dtype):
+    """A per-row parameter tensor: [batch] of dtype on ref's device, contiguous (or None)."""
+    if t is None:
+        return
+    check_tensor(op, name, t)
+    if t.device != ref.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but probs is on {ref.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{op}: {name} must be {dtype}, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != batch or not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be a contiguous tensor of shape ({batch},), got {tuple(t.shape)}")
+
+
+def check_random(op, ref, batch, seed_arr, offset_arr):
+    for name, t in (("seed", seed_arr), ("offset", offset_arr)):
+        if t is None:
+            continue
+        if t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but the input is on {ref.device}")
+        if t.dtype != torch.int64:
+            raise TypeError(f"{op}: a {name} tensor must be torch.int64, got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] not in (1, batch) or not t.is_contiguous():
+            raise ValueError(f"{op}: a {name} tensor must be contiguous of shape (1,) or ({batch},), got {tuple(t.shape)}")
+
+
+def check_sampling(probs, indices, filter, top_k_arr, top_p_arr, min_p_arr, seed_arr, offset_arr):
+    """The sampling op's arguments; returns the number of output rows."""
+    op = "sampling"
+    check_probs(op, "probs", probs)
+    batch = probs.shape[0]
+    if indices is not None:
+        if indices.device != probs.device:
+            raise ValueError(f"{op}: indices is on {indices.device} but probs is on {probs.device}")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op}: indices must be torch.int32 or torch.int64, got {indices.dtype}")
+        if indices.dim() != 1 or not indices.is_contiguous():
+            raise ValueError(f"{op}: indices must be a contiguous 1-D tensor, got shape {tuple(indices.shape)}")
+        batch = indices.shape[0]
+    if filter not in SAMPLE_FILTERS:
+        raise ValueError(f"{op}: filter must be 'none', 'top_k', 'top_p', 'min_p' or 'top_k_top_p', got '{filter}'")
+    check_row_param(op, "top_k", top_k_arr, probs, batch, torch.int32)
+    check_row_param(op, "top_p", top_p_arr, probs, batch, torch.float32)
+    check_row_param(op, "min_p", min_p_arr, probs, batch, torch.float32)
+    check_random(op, probs, batch, seed_arr, offset_arr)
+    return batch
+
+
+def renorm_op_name(kind):
+    return {"top_k_logits": "top_k_mask_logits", "top_p_probs": "top_p_renorm_probs"}.get(kind, "top_k_renorm_probs")
+
+
+def check_renorm(input, kind, top_k_arr, top_p_arr):
+    op = renorm_op_name(kind)
+    if kind not in RENORM_KINDS:
+        raise ValueError(f"{op}: kind must be 'top_k_probs', 'top_p_probs' or 'top_k_logits', got '{kind}'")
+    check_tensor(op, "input", input)
+    if input.dtype not in KERNEL_DTYPES:
+        name = "logits" if kind == "top_k_logits" else "probs"
+        raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32, got {input.dtype}")
+    if input.dim() != 2:
+        raise ValueError(f"{op}: input must be 2-D (batch, vocab), got shape {tuple(input.shape)}")
+    if input.shape[1] >= 2**31:
+        raise ValueError(f"{op}: at most 2^31 - 1 columns, got {input.shape[1]}")
+    check_last_dim_contiguous(op, "input", input)
+    check_row_param(op, "top_k", top_k_arr, input, input.shape[0], torch.int32)
+    check_row_param(op, "top_p", top_p_arr, input, input.shape[0], torch.float32)
+
+
+def check_speculative(target, draft, candidates, first_candidate, parents, mode, seed_arr, offset_arr):
+    op = "verify_tree_greedy" if mode == "greedy" else "speculative_sampling"
+    if mode not in ("greedy", "sample"):
+        raise ValueError(f"{op}: mode must be 'greedy' or 'sample', got '{mode}'")
+    name = "target_logits" if mode == "greedy" else "target_probs"
+    check_tensor(op, name, target)
+    if mode == "greedy" and target.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32, got {target.dtype}")
+    if mode == "sample" and target.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be torch.float32, got {target.dtype}")
+    if target.dim() != 3:
+        raise ValueError(f"{op}: {name} must be 3-D (batch, nodes, vocab), got shape {tuple(target.shape)}")
+    check_last_dim_contiguous(op, name, target)
+    batch, nodes, vocab = target.shape
+    if not 1 <= nodes <= 1024:
+        raise ValueError(f"{op}: between 1 and 1024 tree nodes, got {nodes}")
+    if not 1 <= vocab < 2**31:
+        raise ValueError(f"{op}: vocab must be between 1 and 2^31 - 1, got {vocab}")
+    if first_candidate not in (0, 1):
+        raise ValueError(f"{op}: first_candidate must be 0 or 1")
+    if candidates.device != target.device:
+        raise ValueError(f"{op}: candidates are on {candidates.device} but {name} is on {target.device}")
+    if candidates.dtype != torch.int32:
+        raise TypeError(f"{op}: candidate token ids must be torch.int32, got {candidates.dtype}")
+    shape = (batch, nodes - first_candidate)
+    if tuple(candidates.shape) != shape or (candidates.numel() and candidates.stride(1) != 1):
+        raise ValueError(f"{op}: candidate token ids must have shape {shape} (contiguous rows), got "
+                         f"{tuple(candidates.shape)}")
+    if draft is not None:
+        if mode == "greedy":
+            raise ValueError(f"{op}: greedy verification takes no draft probabilities")
+        check_same(op, "draft_probs", draft, name, target, same_shape=False)
+        if draft.dim() != 3 or draft.shape[0] != batch or draft.shape[1] < nodes - 1 or draft.shape[2] != vocab:
+            raise ValueError(f"{op}: draft_probs must have shape ({batch}, {nodes - 1}, {vocab}) or more nodes, got "
+                             f"{tuple(draft.shape)}")
+        check_last_dim_contiguous(op, "draft_probs", draft)
+    if parents is not None:
+        if parents.device != target.device:
+            raise ValueError(f"{op}: parents are on {parents.device} but {name} is on {target.device}")
+        if parents.dtype != torch.int32:
+            raise TypeError(f"{op}: parents must be torch.int32, got {parents.dtype}")
+        if tuple(parents.shape) not in ((nodes,), (batch, nodes)):
+            raise ValueError(f"{op}: parents must have shape ({nodes},) or ({batch}, {nodes}), got "
+                             f"{tuple(parents.shape)}")
+        if parents.shape[-1] > 1 and parents.stride(-1) != 1:
+            raise ValueError(f"{op}: parents must be contiguous in its last dimension")
+    check_random(op, target, batch, seed_arr, offset_arr)

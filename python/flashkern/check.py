@@ -2,7 +2,7 @@
 
 import torch
 
-from . import _backend, activation, attention, cascade, decode, norm, ref, rope
+from . import _backend, activation, attention, cascade, decode, norm, ref, rope, sampling
 from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
 
@@ -71,6 +71,19 @@ def _merge_cases(device, dtype, gen):
     )
 
 
+def _renorm_cases(device, dtype, gen):
+    """The deterministic sampling ops: top-k / top-p renormalization and top-k logit masking (equal
+    infinities match) on peaked rows with a tail."""
+    logits = (_rand((5, 1027), torch.float32, device, gen) * 3).to(dtype)
+    probs = torch.softmax(logits.float(), dim=-1).to(dtype)
+    rows = torch.full((5,), 1)
+    for op, fn, x, kind, kw in (("top_k_renorm_probs", sampling.top_k_renorm_probs, probs, "top_k_probs", {"top_k": 40}),
+                                ("top_p_renorm_probs", sampling.top_p_renorm_probs, probs, "top_p_probs", {"top_p": 0.7}),
+                                ("top_k_mask_logits", sampling.top_k_mask_logits, logits, "top_k_logits", {"top_k": 40})):
+        per_row = {name: rows * value for name, value in kw.items()}
+        yield op, tuple(x.shape), fn(x, *kw.values()), ref.sampling.renorm(x.double().cpu(), kind, **per_row)
+
+
 def _paged_attention_cases(device, dtype, gen):
     """Batch decode (GQA groups 4 and 8: both kernels), a two-level cascade and a single request, on a
     shuffled paged cache, against the float64 references."""
@@ -119,7 +132,7 @@ def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -
         backend = _backend.backend_for(torch.device(device))
         for dtype in dtypes:
             cases = [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen), *_merge_cases(device, dtype, gen),
-                     *_paged_attention_cases(device, dtype, gen)]
+                     *_paged_attention_cases(device, dtype, gen), *_renorm_cases(device, dtype, gen)]
             for op, shape, actual, expected in cases:
                 actual = actual.double().cpu()
                 expected = expected.cpu()

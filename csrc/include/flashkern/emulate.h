@@ -32,6 +32,7 @@
 //   bounds (ASan)   built with -fsanitize=address, shared memory (dynamic and FK_STATIC_SHARED) is a
 //                   fresh allocation of exactly its bytes for every block, so any access past it is
 //                   reported, as is any past a global buffer the caller allocated exactly.
+//   atomics         atomicAdd on 32- and 64-bit unsigned integers, atomics to ThreadSanitizer too
 // Shared memory starts 0xff-filled (NaN as fp16, bf16 and fp32) in every block. The matrix
 // instructions compute with the fragment layouts of the PTX and AMD documentation (platform.h), in
 // fp32. Not emulated: timing, the hardware memory model beyond the orders above (a fence-based
@@ -665,6 +666,14 @@ inline float __shfl(float v, int src_lane) {
   const unsigned t = fk::emu::linear_thread(), base = t - t % unsigned(fk::emu::device.warp_size);
   if (unsigned(src_lane) >= unsigned(fk::emu::device.warp_size)) fk::emu::fail("__shfl names a lane outside the warp");
   return fk::emu::exchange(v, base + unsigned(src_lane), "__shfl names a lane outside the block");
+}
+
+// Shared- or global-memory atomics. Only one GPU thread runs at a time here, so any add is atomic;
+// the __atomic builtins make them atomics to ThreadSanitizer too, which orders nothing else by them
+// (relaxed): a plain access racing with them is still reported.
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
 
 namespace fk {

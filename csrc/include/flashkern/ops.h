@@ -157,6 +157,93 @@ struct BatchAttentionParams {
   bool pdl;                      // programmatic dependent launches where the device has them (platform.h)
 };
 
+// The random numbers of one sampling launch (philox.h): output row b draws from key seed, counter
+// offset; each is a value or, when its pointer is set, read on the device from a [1] or [batch]
+// int64 tensor (a CUDA graph replays with new values).
+struct RandomSource {
+  const int64_t* seed_arr;    // [seed_len], or nullptr: seed
+  const int64_t* offset_arr;  // [offset_len], or nullptr: offset
+  int64_t seed, offset;
+  int64_t seed_len, offset_len;  // 1 or batch
+};
+
+// Which tokens a sample may take, in the order "before": token j comes before x when p_j > p_x, or
+// p_j == p_x and j < x (ties go to the lower index). top-k keeps the tokens with fewer than k before
+// them (exactly k); top-p those whose mass before them is below top_p times the row's mass; min-p
+// those with p >= min_p * max(p); joint: both top-k and top-p. The first token is always kept.
+enum class SampleFilter : int { none = 0, top_k = 1, top_p = 2, min_p = 3, top_k_top_p = 4 };
+
+// One token per output row b from probs[row(b)] (row(b) = indices[b], or b), restricted by the
+// filter, by rejection rounds (kernels/sampling.cuh). Rows whose kept mass is zero or not finite
+// give token 0 and valid[b] = false.
+struct SamplingParams {
+  void* out;               // [batch] int32 or int64 (out_int64)
+  bool* valid;             // [batch], or nullptr
+  const float* probs;      // [rows, vocab], row stride probs_stride, contiguous rows
+  int64_t probs_stride;
+  const void* indices;     // [batch] int32 or int64 (indices_int64), or nullptr
+  const int32_t* top_k_arr;  // [batch], or nullptr: top_k
+  const float* top_p_arr;    // [batch], or nullptr: top_p
+  const float* min_p_arr;    // [batch], or nullptr: min_p
+  int64_t top_k;
+  float top_p, min_p;
+  int64_t batch, rows, vocab;
+  SampleFilter filter;
+  RandomSource rng;
+  bool out_int64, indices_int64;
+};
+
+// Per row: keep the top-k values (exactly k, ties to the lower index) or, top-p, the tokens whose
+// probability mass before them (the order above) is below top_p times the row's mass; then
+// renormalize the kept probabilities to sum to 1 (top_k_renorm_probs, top_p_renorm_probs) or, for
+// logits, set the others to -inf (top_k_mask_logits). Rows of vocab elements, contiguous.
+enum class RenormKind : int { top_k_probs = 0, top_p_probs = 1, top_k_logits = 2 };
+
+struct RenormParams {
+  void* out;              // [rows, vocab] dtype
+  const void* in;         // [rows, vocab] dtype
+  int64_t out_stride, in_stride;
+  const int32_t* top_k_arr;  // [rows], or nullptr: top_k
+  const float* top_p_arr;    // [rows], or nullptr: top_p
+  int64_t top_k;
+  float top_p;
+  int64_t rows, vocab;
+  DType dtype;
+  RenormKind kind;
+};
+
+// Speculative decoding: per request b, a walk down a tree of candidate tokens (node 0 the root, the
+// last accepted token; node i > 0 a candidate whose parent is parents[i] < i; the children of a
+// node are tried in index order). Greedy: move to the first child whose token is the argmax of the
+// target at the current node, else emit that argmax. Sampling: accept child c of node u with
+// probability min(1, p(c) / q(c)), p the target's residual distribution at u and q the draft's
+// distribution at u (children drawn from it independently) or, without draft, a point mass on
+// c; on rejection the residual becomes norm(max(0, p - q)); when no child is accepted, emit a token
+// drawn from the residual. A chain (parents == nullptr) has parent(i) = i - 1.
+enum class SpeculativeMode : int { greedy = 0, sample = 1 };
+
+struct SpeculativeParams {
+  int32_t* out_tokens;          // [batch, out_len]: accepted candidates' tokens, then the emitted one; -1 after
+  int32_t* out_nodes;           // [batch, out_len - 1]: the accepted candidates' nodes; -1 after. Or nullptr
+  int32_t* num_accepted;        // [batch]
+  int32_t* independent_accepted;  // [batch]: how many draft tokens of a sampled chain pass their own test
+                                  // (0 for trees and greedy), or nullptr
+  const int32_t* candidates;    // token of node i: candidates[b * cand_stride + i - first_candidate]
+  int64_t cand_stride;
+  int first_candidate;          // 0: candidates include the root; 1: they start at node 1
+  const int32_t* parents;       // [nodes] (parents_stride 0) or [batch, nodes]; nullptr: a chain
+  int64_t parents_stride;
+  const void* target;           // [batch, nodes, vocab] target_dtype: probabilities (sample) or logits (greedy)
+  int64_t target_strides[2];    // batch, node (elements); vocab contiguous
+  const float* draft;           // [batch, >= internal nodes, vocab] float32 probabilities, or nullptr
+  int64_t draft_strides[2];
+  int64_t batch, vocab;
+  int nodes, out_len;
+  DType target_dtype;
+  SpeculativeMode mode;
+  RandomSource rng;
+};
+
 const char* launch_rmsnorm(const RmsnormParams& p, void* stream);
 size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p);
 const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream);
@@ -165,5 +252,8 @@ const char* launch_act_and_mul_backward(const ActAndMulBackwardParams& p, void* 
 const char* launch_rope(const RopeParams& p, void* stream);
 const char* launch_merge_states(const MergeStatesParams& p, void* stream);
 const char* launch_batch_attention(const BatchAttentionParams& p, void* stream);
+const char* launch_sampling(const SamplingParams& p, void* stream);
+const char* launch_renorm(const RenormParams& p, void* stream);
+const char* launch_speculative(const SpeculativeParams& p, void* stream);
 
 }  // namespace fk

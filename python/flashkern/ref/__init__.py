@@ -9,6 +9,7 @@ from .activation import act_and_mul, act_and_mul_backward, act_mul, act_mul_back
 from .attention import batch_attention, batch_decode, cascade_decode, decode_attention, merge_state, merge_states
 from .norm import fused_add_rmsnorm, rmsnorm, rmsnorm_backward
 from .rope import rope
+from . import sampling  # noqa: E402  (ref.sampling.sampling, .renorm, .speculative, .kept)
 
 __all__ = [
     "act_and_mul",
@@ -25,4 +26,5 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_backward",
     "rope",
+    "sampling",
 ]
