@@ -75,6 +75,9 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, ctypes.POINTER(ctypes.c_int32), I, P, P, P,
                                 ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I, P, L, F],
         "emu_launch_probe": [I, I, I, I],
+        "emu_sampling": [P, P, P, L, L, P, L, I, L, F, F, L],
+        "emu_renorm": [P, P, L, L, I, I, L, F],
+        "emu_speculative": [P, P, P, P, P, I, P, P, P, L, I, L, I, I, L],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
     lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
@@ -628,6 +631,99 @@ def test_decode_kernel_window_and_soft_cap(attention_lib):
     check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, dtype)
 
 
+# ---------------------------------------------------------------- sampling, renormalization, speculative
+# Direct launches on every build (warp 32, wave64, wave32): the kept sets of ref.sampling.kept, the
+# renormalization bit for bit in its kept tokens, the tree walk against ref.sampling.speculative.
+
+FILTER = {"none": 0, "top_k": 1, "top_p": 2, "min_p": 3, "top_k_top_p": 4}
+RENORM = {"top_k_probs": 0, "top_p_probs": 1, "top_k_logits": 2}
+
+
+def sampling_rows(rows, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2, 1)
+    p[:, 2:7] = p[:, 2:3]  # a tie run
+    if rows > 1:
+        p[1] = 1.0 / vocab  # flat: rounds of ties
+    return (p / p.sum(1, keepdim=True)).float()
+
+
+@pytest.mark.parametrize("filter", list(FILTER))
+@pytest.mark.parametrize("vocab", [1024, 1031])  # 16-byte vectors; a scalar row with a tail
+def test_sampling_kernel(attention_lib, filter, vocab, rows=3):
+    lib = attention_lib
+    probs = sampling_rows(rows, vocab, seed=vocab)
+    indices = (torch.tensor([0, 1, 2, 2, 0], dtype=torch.int32) % rows)[: rows + 2]  # rows sampled twice
+    out, valid = torch.full((indices.shape[0],), -7, dtype=torch.int32), torch.zeros(indices.shape[0], dtype=torch.bool)
+    top_k, top_p, min_p = 6, 0.6, 0.2
+    ok(lib.emu_sampling(ptr(out), ptr(valid), ptr(probs), ctypes.c_int64(rows), ctypes.c_int64(vocab), ptr(indices),
+                        ctypes.c_int64(indices.shape[0]), FILTER[filter], ctypes.c_int64(top_k), ctypes.c_float(top_p),
+                        ctypes.c_float(min_p), ctypes.c_int64(11)))
+    n = indices.shape[0]
+    keep = ref.sampling.kept(probs[indices.long()],
+                             top_k=torch.full((n,), top_k) if "top_k" in filter else None,
+                             top_p=torch.full((n,), top_p) if "top_p" in filter else None,
+                             min_p=torch.full((n,), min_p) if filter == "min_p" else None)
+    assert valid.all()
+    assert keep[torch.arange(n), out.long()].all(), out
+
+
+@pytest.mark.parametrize("kind", list(RENORM))
+@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 1027), (torch.bfloat16, 1024), (torch.float16, 2053)])
+def test_renorm_kernel(attention_lib, kind, dtype, vocab, rows=3):
+    lib = attention_lib
+    probs = sampling_rows(rows, vocab, seed=3).to(dtype)
+    x = torch.log(probs.float()).to(dtype) if kind == "top_k_logits" else probs
+    out = torch.full_like(x, float("nan"))
+    ok(lib.emu_renorm(ptr(out), ptr(x), ctypes.c_int64(rows), ctypes.c_int64(vocab), DTYPE[dtype], RENORM[kind],
+                      ctypes.c_int64(4), ctypes.c_float(0.5)))
+    expected = ref.sampling.renorm(x, kind, top_k=torch.full((rows,), 4), top_p=torch.full((rows,), 0.5))
+    if kind == "top_k_logits":
+        assert torch.equal(out, expected)
+    else:
+        assert torch.equal(out > 0, expected > 0)
+        torch.testing.assert_close(out.double(), expected.double(), atol=1e-6 if dtype == torch.float32 else 1e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "sample_no_draft", "chain"])
+def test_speculative_kernel(attention_lib, mode, batch=3, vocab=1031):
+    """Greedy: the reference walk exactly. Sampling: a path of the tree, candidates' tokens along it,
+    the emitted token in the vocabulary, counts consistent (the distribution: tests/test_speculative.py)."""
+    lib = attention_lib
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3], dtype=torch.int32)
+    nodes = parents.shape[0] if mode != "chain" else 4
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(batch, nodes, vocab, generator=g) * 3
+    target = torch.softmax(logits, -1) if mode != "greedy" else logits
+    draft = torch.softmax(torch.randn(batch, nodes, vocab, generator=g) * 3, -1) if mode in ("sample", "chain") else None
+    first = 1 if mode == "chain" else 0
+    cand = torch.randint(0, vocab, (batch, nodes - first), generator=g, dtype=torch.int32)
+    cand[:, 1 - first] = torch.argmax(target[:, 0], -1)  # the first child matches greedily / is likely
+    tokens, path = torch.full((batch, nodes), -7, dtype=torch.int32), torch.full((batch, nodes - 1), -7, dtype=torch.int32)
+    accepted, independent = torch.full((batch,), -7, dtype=torch.int32), torch.full((batch,), -7, dtype=torch.int32)
+    par = None if mode == "chain" else parents[:nodes]
+    ok(lib.emu_speculative(ptr(tokens), ptr(path), ptr(accepted), ptr(independent), ptr(cand), first, ptr(par),
+                           ptr(target), ptr(draft), ctypes.c_int64(batch), nodes, ctypes.c_int64(vocab),
+                           DTYPE[torch.float32], 0 if mode == "greedy" else 1, ctypes.c_int64(2)))
+    if mode == "greedy":
+        e_tokens, e_path, e_accepted, _ = ref.sampling.speculative(target, None, cand, first, par, "greedy", None)
+        assert torch.equal(tokens, e_tokens) and torch.equal(path, e_path) and torch.equal(accepted, e_accepted)
+        return
+    chain = list(range(-1, nodes - 1))
+    for b in range(batch):
+        k = int(accepted[b])
+        u = 0
+        for i in range(k):  # each accepted node is a child of the one before
+            c = int(path[b, i])
+            assert (chain if par is None else par.tolist())[c] == u
+            assert tokens[b, i] == cand[b, c - first]
+            u = c
+        assert 0 <= tokens[b, k] < vocab
+        assert (tokens[b, k + 1:] == -1).all() and (path[b, k:] == -1).all()
+        assert independent[b] == 0 if mode != "chain" else 0 <= independent[b] <= nodes - 1
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -659,3 +755,8 @@ def test_every_kernel_and_path(attention_lib):
     test_cascade_kernels(lib, 5)
     test_prefill_kernels_masks(lib, 5)
     test_decode_kernel_window_and_soft_cap(lib)
+    test_sampling_kernel(lib, "top_k_top_p", 1031, rows=2)  # TSan pays per GPU thread: 1024 a block
+    test_sampling_kernel(lib, "min_p", 1024, rows=2)
+    test_renorm_kernel(lib, "top_p_probs", torch.bfloat16, 1024, rows=1)
+    test_renorm_kernel(lib, "top_k_probs", torch.float32, 1027, rows=1)
+    test_speculative_kernel(lib, "sample", batch=1, vocab=1024)

@@ -24,6 +24,7 @@ import flashkern
 #   cascade:    flashinfer/cascade.py        @ 01c897d7075594003c411c0aa5e3befdf0bcae94 (merge_state*, cascade wrapper)
 #   decode:     flashinfer/decode.py         @ 002752ae3615318e75b95e2eeb716242233c0fdd
 #   prefill:    flashinfer/prefill.py        @ 002920bf8256465171c95d76519ea1cf35244865
+#   sampling:   flashinfer/sampling.py       @ 01c897d7075594003c411c0aa5e3befdf0bcae94
 # single_prefill_with_kv_cache_return_lse is functools.partial(single_prefill_with_kv_cache,
 # return_lse=True) in both libraries.
 # BatchDecodeWithPagedKVCacheWrapper.plan is written as what it accepts: its literal signature is
@@ -81,7 +82,24 @@ SINGLE_PREFILL = ("q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=No
                   "use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None, "
                   "rope_theta=None, backend='auto', return_lse=False, kv_cache_sf=None, k_scale=None, v_scale=None")
 
+RANDOM = "deterministic=True, generator=None, check_nan=False, seed=None, offset=None"
+SAMPLE = f"indices=None, {RANDOM}, return_valid=False"
+ORDERED = f"indices=None, filter_apply_order='top_k_first', {RANDOM}"
+
 FLASHINFER = {
+    "sampling_from_probs": f"probs, {SAMPLE}",
+    "sampling_from_logits": f"logits, indices=None, {RANDOM}",
+    "top_k_sampling_from_probs": f"probs, top_k, {SAMPLE}",
+    "top_p_sampling_from_probs": f"probs, top_p, {SAMPLE}",
+    "min_p_sampling_from_probs": f"probs, min_p, {SAMPLE}",
+    "top_k_top_p_sampling_from_probs": f"probs, top_k, top_p, {ORDERED}, return_valid=False",
+    "top_k_top_p_sampling_from_logits": f"logits, top_k, top_p, {ORDERED}",
+    "top_k_renorm_probs": "probs, top_k, is_deterministic=False",
+    "top_p_renorm_probs": "probs, top_p, is_deterministic=False",
+    "top_k_mask_logits": "logits, top_k",
+    "chain_speculative_sampling": "draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num=None, "
+                                  "maybe_output_emitted_draft_token_num=None, deterministic=True, generator=None, "
+                                  "seed=None, offset=None",
     "rmsnorm": "input, weight, eps=1e-6, out=None, enable_pdl=None",
     "fused_add_rmsnorm": "input, residual, weight, eps=1e-6, enable_pdl=None",
     "gemma_rmsnorm": "input, weight, eps=1e-6, out=None, enable_pdl=None",

@@ -270,3 +270,37 @@ def test_online_softmax(lib, tile):
         lib.fk_online_softmax(ptr(x), ctypes.c_int64(x.size), ctypes.c_int64(tile), ptr(out),
                               ptr(np.empty(x.size, np.float32)))
         assert np.isnan(out[2]), f"a NaN logit makes the state NaN: {x} -> {out}"
+
+
+# Random123's known-answer vectors for Philox4x32-10 (its tests/kat_vectors): counter, key, result.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", PHILOX_KAT)
+def test_philox_known_answers(lib, counter, key, expected):
+    out = np.zeros(4, dtype=np.uint32)
+    lib.fk_philox(ptr(np.array(counter, dtype=np.uint32)), ctypes.c_uint32(key[0]), ctypes.c_uint32(key[1]), ptr(out))
+    assert tuple(int(x) for x in out) == expected
+
+
+def test_sampling_uniforms(lib):
+    """The kernels' uniforms: in [0, 1), multiples of 2^-24, uniform (mean and a 16-bin histogram),
+    other rows and offsets give other streams."""
+    n = 1 << 16
+    out = np.zeros(n, dtype=np.float32)
+    lib.fk_uniforms(ctypes.c_uint64(12345), ctypes.c_uint64(0), ctypes.c_uint32(3), ptr(out), ctypes.c_int64(n))
+    assert out.min() >= 0 and out.max() < 1
+    assert np.all(out * 2**24 == np.floor(out * 2**24))
+    assert abs(out.mean() - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    counts = np.histogram(out, bins=16, range=(0, 1))[0]
+    assert ((counts - n / 16) ** 2 / (n / 16)).sum() < 50  # chi-square, 15 dof: p < 1e-4 above 44
+    other = np.zeros(n, dtype=np.float32)
+    for seed, offset, row in ((12345, 0, 4), (12345, 1, 3), (12346, 0, 3)):
+        lib.fk_uniforms(ctypes.c_uint64(seed), ctypes.c_uint64(offset), ctypes.c_uint32(row), ptr(other),
+                        ctypes.c_int64(n))
+        assert (other != out).mean() > 0.99

@@ -24,10 +24,11 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc" if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 HIPCC = shutil.which("hipcc")
 ROW_SOURCES = ["rmsnorm", "act_and_mul", "rope", "merge_states"]  # one template argument is the vector width
-SOURCES = ROW_SOURCES + ["batch_attention"]
+SOURCES = ROW_SOURCES + ["batch_attention", "sampling"]
 FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel", "act_and_mul_kernel",
             "act_and_mul_backward_kernel", "rope_kernel", "merge_states_kernel", "decode_attention_kernel",
-            "multi_query_attention_kernel", "merge_partials_kernel"]
+            "multi_query_attention_kernel", "merge_partials_kernel", "sampling_kernel", "renorm_kernel",
+            "speculative_kernel"]
 CMAKE = shutil.which("cmake")
 NINJA = shutil.which("ninja")
 
@@ -136,6 +137,24 @@ def test_cuda_ptx_has_16_byte_global_loads(cuda_build, source, arch):
     for mangled, body in wide.items():
         assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{names[mangled]}: no 16-byte global load"
         assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{names[mangled]}: no 16-byte global store"
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_cuda_sampling_ptx(cuda_build, arch):
+    """The sampling kernels read rows 16 bytes at a time (float4 probabilities; 16-bit renorm rows as
+    8 elements), and renormalization writes them so."""
+    build, _ = cuda_build
+    entries, names = ptx_of(build, "sampling", arch)
+    def wide_path(name):  # sampling_kernel<threads, warp, vec> reads float only
+        return name.endswith(", 4>(fk::SamplingParams)") if "fk::sampling_kernel<" in name else _is_wide(name)
+
+    wide = {names[m]: b for m, b in entries.items() if wide_path(names[m])}
+    assert {re.search(r"fk::(\w+)<", n).group(1) for n in wide} == {"sampling_kernel", "renorm_kernel",
+                                                                      "speculative_kernel"}
+    for name, body in wide.items():
+        assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global load"
+        if "renorm" in name:
+            assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global store"
 
 
 ATTENTION_PTX = {  # what each attention kernel must contain: 16-byte copies and loads, the matrix instructions

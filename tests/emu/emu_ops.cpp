@@ -126,6 +126,47 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   return fk::launch_batch_attention(p, nullptr);
 }
 
+// probs [rows, vocab] contiguous; indices [batch] int32 or nullptr (batch = rows); filter: SampleFilter;
+// the random numbers from (seed, offset 0). out [batch] int32.
+const char* emu_sampling(int32_t* out, bool* valid, const float* probs, int64_t rows, int64_t vocab,
+                         const int32_t* indices, int64_t batch, int filter, int64_t top_k, float top_p, float min_p,
+                         int64_t seed) {
+  fk::SamplingParams p{};
+  p.out = out, p.valid = valid, p.probs = probs, p.probs_stride = vocab, p.indices = indices;
+  p.top_k = top_k, p.top_p = top_p, p.min_p = min_p;
+  p.batch = indices != nullptr ? batch : rows, p.rows = rows, p.vocab = vocab;
+  p.filter = fk::SampleFilter(filter);
+  p.rng.seed = seed, p.rng.seed_len = p.rng.offset_len = 1;
+  return fk::launch_sampling(p, nullptr);
+}
+
+// in and out [rows, vocab] contiguous; kind: RenormKind
+const char* emu_renorm(void* out, const void* in, int64_t rows, int64_t vocab, int dtype, int kind, int64_t top_k,
+                       float top_p) {
+  fk::RenormParams p{};
+  p.out = out, p.in = in, p.out_stride = p.in_stride = vocab;
+  p.top_k = top_k, p.top_p = top_p, p.rows = rows, p.vocab = vocab, p.dtype = DType(dtype);
+  p.kind = fk::RenormKind(kind);
+  return fk::launch_renorm(p, nullptr);
+}
+
+// target [batch, nodes, vocab] (dtype), draft [batch, nodes, vocab] float32 or nullptr, candidates
+// [batch, nodes - first] int32, parents [nodes] int32 or nullptr (a chain); mode: SpeculativeMode.
+const char* emu_speculative(int32_t* tokens, int32_t* path, int32_t* accepted, int32_t* independent,
+                            const int32_t* candidates, int first, const int32_t* parents, const void* target,
+                            const float* draft, int64_t batch, int nodes, int64_t vocab, int dtype, int mode,
+                            int64_t seed) {
+  fk::SpeculativeParams p{};
+  p.out_tokens = tokens, p.out_nodes = path, p.num_accepted = accepted, p.independent_accepted = independent;
+  p.candidates = candidates, p.cand_stride = nodes - first, p.first_candidate = first, p.parents = parents;
+  p.target = target, p.target_strides[0] = nodes * vocab, p.target_strides[1] = vocab;
+  p.draft = draft, p.draft_strides[0] = nodes * vocab, p.draft_strides[1] = vocab;
+  p.batch = batch, p.vocab = vocab, p.nodes = nodes, p.out_len = nodes;
+  p.target_dtype = DType(dtype), p.mode = fk::SpeculativeMode(mode);
+  p.rng.seed = seed, p.rng.seed_len = p.rng.offset_len = 1;
+  return fk::launch_speculative(p, nullptr);
+}
+
 }  // extern "C"
 
 namespace {

@@ -7,6 +7,7 @@
 #include "flashkern/divmod.h"
 #include "flashkern/numeric.h"
 #include "flashkern/ops.h"
+#include "flashkern/philox.h"
 #include "flashkern/rows.h"
 
 extern "C" {
@@ -120,6 +121,17 @@ void fk_online_softmax(const float* x, int64_t n, int64_t tile, float* out, floa
   }
   out[0] = m, out[1] = l, out[2] = fk::state_lse(m, l);
   for (int64_t i = 0; i < n; ++i) w[i] = l > 0.f ? fk::softmax_weight(x[i] * fk::kLog2e, m) / l : 0.f;
+}
+
+// Philox4x32-10 of one counter and key (out: 4 words), and the sampling kernels' uniforms:
+// out[i] = RowRandom(seed, offset, row).uniform(i).
+void fk_philox(const uint32_t* counter, uint32_t key0, uint32_t key1, uint32_t* out) {
+  const fk::Philox4 r = fk::philox4x32_10({{counter[0], counter[1], counter[2], counter[3]}}, key0, key1);
+  for (int i = 0; i < 4; ++i) out[i] = r.v[i];
+}
+void fk_uniforms(uint64_t seed, uint64_t offset, uint32_t row, float* out, int64_t n) {
+  const fk::RowRandom random(seed, offset, row);
+  for (int64_t i = 0; i < n; ++i) out[i] = random.uniform(uint32_t(i));
 }
 
 }  // extern "C"
