@@ -49,15 +49,16 @@ PDL = "flashkern (pdl)"
 DTYPES = [torch.bfloat16] if BENCH_SET != "full" else [torch.bfloat16, torch.float16]
 
 
-def params(providers, shapes, *lead):
-    """pytest params (*lead, provider, label, tokens, size, dtype) for every provider, shape and dtype."""
+def params(providers, shapes, *lead, dtypes=None):
+    """pytest params (*lead, provider, label, tokens, size, dtype) for every provider, shape and dtype
+    (DTYPES unless `dtypes` names others: sampling takes float32 probabilities only)."""
     import pytest
 
     return [
         pytest.param(*lead, p, label, t, size, dtype,
                      id="-".join([*map(str, lead), p.name, label.replace(" ", "-"), str(size), str(dtype)[6:]]))
         for label, t, size in shapes
-        for dtype in DTYPES
+        for dtype in (dtypes or DTYPES)
         for p in providers
     ]
 
@@ -717,4 +718,202 @@ PREFILL = [
     Provider("flashkern", lambda case: (lambda: case.wrapper.run(case.q, case.k, case.v)), requires="flashkern"),
     Provider("torch", _sdpa_prefill),
     Provider("flashinfer", _flashinfer_prefill, "flashinfer", True),
+]
+
+
+# ---------------------------------------------------------------- sampling (one token per row of probabilities)
+
+# Vocabularies of real models (32K, 128K, 256K). Probabilities are float32 softmax(LOGIT_STD * N(0, 1)):
+# at std 4 a 128K row is peaked like a model's next-token distribution (largest probability ~0.13,
+# the 0.9 nucleus ~700 tokens), not flat (std 1: the nucleus is 60% of the vocabulary).
+VOCAB = {"llama2-7b": 32000, "llama3-8b": 128256, "gemma2-27b": 256000}
+LOGIT_STD = 4.0
+TOP_K, TOP_P, MIN_P = 50, 0.9, 0.1
+SAMPLING_DTYPES = [torch.float32]  # the sampling ops take float32 probabilities; renorm is benchmarked alike
+
+
+def sampling_shapes():
+    """[(label, batch, vocab)]: top-k, top-p and top-k + top-p sampling at batch 1/32/256 x vocab 32K/128K/256K
+    (quick: batch 1/32/256 at 128K, batch 32 at 32K and 256K)."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 2, 1024)]
+    llama3 = VOCAB["llama3-8b"]
+    if BENCH_SET == "full":
+        grid = [(name, b, v) for name, v in VOCAB.items() for b in (1, 32, 256)]
+    else:
+        grid = [("llama3-8b", b, llama3) for b in (1, 32, 256)] + [
+            (name, 32, v) for name, v in VOCAB.items() if v != llama3]
+    return [(f"b={b} {name}", b, v) for name, b, v in grid]
+
+
+def sampling_variant_shapes():
+    """Plain and min-p sampling, renormalization and logit masking: batch 32 at 128K (full: the grid)."""
+    if BENCH_SET != "quick":
+        return sampling_shapes()
+    return [("b=32 llama3-8b", 32, VOCAB["llama3-8b"])]
+
+
+def speculative_shapes():
+    """[(label, batch, (n draft tokens, vocab))]: chain speculative sampling at n = 4 and 8."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 2, (4, 1024))]
+    grid = ([(b, name, v) for name, v in VOCAB.items() for b in (1, 32, 256)] if BENCH_SET == "full"
+            else [(32, "llama3-8b", VOCAB["llama3-8b"])])
+    return [(f"n={n} b={b} {name}", b, (n, v)) for b, name, v in grid for n in (4, 8)]
+
+
+def sampling_bytes(batch, vocab):
+    """Every probability read once, one int32 token written per row. Passes a kernel adds (rounds of
+    a pivot search, top_k_first's renormalized copy) are its own cost, not counted."""
+    return batch * vocab * 4 + batch * 4
+
+
+def renorm_bytes(batch, vocab, dtype):
+    """top_k_renorm_probs, top_p_renorm_probs, top_k_mask_logits: the row read once, written once."""
+    return 2 * batch * vocab * (torch.finfo(dtype).bits // 8)
+
+
+def speculative_bytes(batch, shape):
+    """Chain speculative sampling's minimum: at the first rejection the residual max(0, p - q) reads
+    one full target row and one full draft row per request (speculative_inputs makes a rejection
+    certain, so no request gets away with the bonus row alone); plus the draft token ids and the
+    outputs. The p(t) and q(t) of the draft tokens are single values, not counted."""
+    n, vocab = shape
+    return 2 * batch * vocab * 4 + batch * n * 4 + batch * (n + 1) * 4 + 2 * batch * 4
+
+
+def _probs(shape, seed):
+    return torch.softmax(LOGIT_STD * rand(shape, torch.float32, seed), dim=-1)
+
+
+def sampling_inputs(batch, vocab):
+    return lambda seed: (_probs((batch, vocab), seed),)
+
+
+def logits_inputs(batch, vocab):
+    return lambda seed: (LOGIT_STD * rand((batch, vocab), torch.float32, seed),)
+
+
+def speculative_inputs(batch, shape):
+    """Target rows softmax(L), draft rows softmax(L + N(0, 1)) of the same logits (a draft token is
+    accepted with probability sum(min(p, q)), about 0.6), draft tokens drawn from the draft rows. The
+    last draft token's target probability is set to 0 (that row renormalized): a request that
+    accepts the first n - 1 is rejected there, so every request reads the residual's two rows."""
+    n, vocab = shape
+
+    def make(seed):
+        logits = LOGIT_STD * rand((batch, n + 1, vocab), torch.float32, seed)
+        target = torch.softmax(logits, dim=-1)
+        draft = torch.softmax(logits[:, :n] + rand((batch, n, vocab), torch.float32, 10**5 + seed), dim=-1)
+        g = torch.Generator(device=draft.device).manual_seed(2 * 10**5 + seed)
+        ids = torch.multinomial(draft.view(-1, vocab), 1, generator=g).view(batch, n).int()
+        last = target[:, n - 1]
+        last.scatter_(1, ids[:, n - 1 :].long(), 0.0)
+        last.div_(last.sum(-1, keepdim=True))
+        return draft, ids, target
+
+    return make
+
+
+def _race(weights):
+    """One index per row with probability weights / sum: argmax of weights / Exp(1), what
+    torch.multinomial(weights, 1) computes, without its validity checks (more passes over the rows
+    and, in older torch, a host sync that a CUDA graph cannot capture); vLLM's sampler draws so."""
+    noise = torch.empty_like(weights).exponential_()
+    return torch.div(weights, noise, out=noise).argmax(-1)
+
+
+def _torch_sample(probs, top_k=None, top_p=None):
+    """Sort-based top-k / top-p (top-k first) sampling, as vLLM's reference sampler writes it: sort
+    descending, zero past the k-th, renormalize, zero where the mass before reaches top_p, draw."""
+    p, index = probs.sort(dim=-1, descending=True)
+    if top_k is not None:
+        p[:, top_k:] = 0
+        p = p / p.sum(-1, keepdim=True)
+    if top_p is not None:
+        p = p.masked_fill(p.cumsum(-1) - p >= top_p, 0)
+    return index.gather(-1, _race(p)[:, None]).squeeze(-1)
+
+
+def _torch_topk_sample(probs, top_k):
+    """Top-k sampling with torch.topk instead of a full sort (vLLM's top-k-only path)."""
+    values, index = probs.topk(top_k, dim=-1)
+    return index.gather(-1, _race(values)[:, None]).squeeze(-1)
+
+
+def _torch_min_p_sample(probs, min_p):
+    return _race(probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0))
+
+
+def _torch_top_k_renorm(probs, top_k):
+    values, index = probs.topk(top_k, dim=-1)
+    return torch.zeros_like(probs).scatter_(-1, index, values / values.sum(-1, keepdim=True))
+
+
+def _torch_top_p_renorm(probs, top_p):
+    p, index = probs.sort(dim=-1, descending=True)
+    p = p.masked_fill(p.cumsum(-1) - p >= top_p, 0)
+    return torch.empty_like(probs).scatter_(-1, index, p / p.sum(-1, keepdim=True))
+
+
+def _torch_top_k_mask_logits(logits, top_k):
+    return logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+
+
+def _torch_chain_speculative(draft, ids, target):
+    """Vectorized chain rejection sampling (as vLLM's rejection sampler, reading only the rows it
+    needs): draft token i passes when u * q(t) < p(t); the first failure stops the chain, and a token
+    is drawn there from max(0, p - q), or after n acceptances from the bonus row p."""
+    batch, n, _ = draft.shape
+    t = ids.long()[..., None]
+    passed = torch.rand(batch, n, device=draft.device) * draft.gather(2, t)[..., 0] < target[:, :n].gather(2, t)[..., 0]
+    emitted = passed.int().cumprod(1).sum(1)
+    rows = torch.arange(batch, device=draft.device)
+    residual = target[rows, emitted] - draft[rows, emitted.clamp(max=n - 1)] * (emitted < n)[:, None]
+    drawn = _race(residual.clamp_min_(0))
+    tokens = torch.where(torch.arange(n + 1, device=draft.device) < emitted[:, None], F.pad(ids, (0, 1)), -1)
+    return tokens.scatter_(1, emitted[:, None].long(), drawn[:, None].int()), passed.sum(1), emitted
+
+
+def _flashinfer_sampling():
+    import flashinfer.sampling
+
+    return flashinfer.sampling
+
+
+def sampling_providers(op, *args, torch_fn, **kwargs):
+    """flashkern.`op` and flashinfer.sampling.`op` (the same name and signature), and torch_fn, on one
+    input tensor with the same arguments."""
+    return [
+        Provider("flashkern", lambda x: (lambda: getattr(_flashkern(), op)(x, *args, **kwargs)), requires="flashkern"),
+        Provider("torch", lambda x: (lambda: torch_fn(x, *args))),
+        Provider("flashinfer", lambda x: (lambda: getattr(_flashinfer_sampling(), op)(x, *args, **kwargs)),
+                 "flashinfer.sampling", True),
+    ]
+
+
+TOP_K_SAMPLING = sampling_providers("top_k_sampling_from_probs", TOP_K, torch_fn=lambda p, k: _torch_sample(p, top_k=k))
+TOP_K_SAMPLING.insert(2, Provider("torch (topk)", lambda p: (lambda: _torch_topk_sample(p, TOP_K))))
+TOP_P_SAMPLING = sampling_providers("top_p_sampling_from_probs", TOP_P, torch_fn=lambda p, q: _torch_sample(p, top_p=q))
+# top_k_first (the default: top-p of the renormalized top k, FlashInfer's too) and joint (both filters
+# on the row itself, one kernel); torch's sort-based code is top_k_first
+TOP_K_TOP_P_SAMPLING = sampling_providers("top_k_top_p_sampling_from_probs", TOP_K, TOP_P,
+                                          torch_fn=lambda p, k, q: _torch_sample(p, top_k=k, top_p=q)) + [
+    Provider("flashkern (joint)", lambda p: (lambda: _flashkern().top_k_top_p_sampling_from_probs(
+        p, TOP_K, TOP_P, filter_apply_order="joint")), requires="flashkern"),
+    Provider("flashinfer (joint)", lambda p: (lambda: _flashinfer_sampling().top_k_top_p_sampling_from_probs(
+        p, TOP_K, TOP_P, filter_apply_order="joint")), "flashinfer.sampling", True),
+]
+PLAIN_SAMPLING = sampling_providers("sampling_from_probs", torch_fn=_race)
+MIN_P_SAMPLING = sampling_providers("min_p_sampling_from_probs", MIN_P, torch_fn=_torch_min_p_sample)
+TOP_K_RENORM = sampling_providers("top_k_renorm_probs", TOP_K, torch_fn=_torch_top_k_renorm)
+TOP_P_RENORM = sampling_providers("top_p_renorm_probs", TOP_P, torch_fn=_torch_top_p_renorm)
+TOP_K_MASK_LOGITS = sampling_providers("top_k_mask_logits", TOP_K, torch_fn=_torch_top_k_mask_logits)
+
+CHAIN_SPECULATIVE = [
+    Provider("flashkern", lambda d, ids, t: (lambda: _flashkern().chain_speculative_sampling(d, ids, t)),
+             requires="flashkern"),
+    Provider("torch", lambda d, ids, t: (lambda: _torch_chain_speculative(d, ids, t))),
+    Provider("flashinfer", lambda d, ids, t: (lambda: _flashinfer_sampling().chain_speculative_sampling(d, ids, t)),
+             "flashinfer.sampling", True),
 ]
