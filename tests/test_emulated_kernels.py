@@ -755,8 +755,6 @@ def test_every_kernel_and_path(attention_lib):
     test_cascade_kernels(lib, 5)
     test_prefill_kernels_masks(lib, 5)
     test_decode_kernel_window_and_soft_cap(lib)
-    test_sampling_kernel(lib, "top_k_top_p", 1031, rows=2)  # TSan pays per GPU thread: 1024 a block
-    test_sampling_kernel(lib, "min_p", 1024, rows=2)
+    test_sampling_kernel(lib, "top_k_top_p", 1031, rows=1)  # TSan pays per GPU thread: 1024 a block
     test_renorm_kernel(lib, "top_p_probs", torch.bfloat16, 1024, rows=1)
-    test_renorm_kernel(lib, "top_k_probs", torch.float32, 1027, rows=1)
     test_speculative_kernel(lib, "sample", batch=1, vocab=1024)

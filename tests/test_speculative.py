@@ -29,7 +29,7 @@ def test_chain_distribution(device):
     """Drafts drawn from q: the first emitted token follows the target at position 0 whatever q is; the
     mean number of accepted draft tokens is sum_i prod_{j<=i} alpha_j (alpha = sum min(p, q)), the
     independent count sum_i alpha_i (5 standard errors)."""
-    batch, n, vocab = (4000 if not emulated(device) else 600), 3, 12
+    batch, n, vocab = (4000 if not emulated(device) else 400), 3, 12
     g = torch.Generator().manual_seed(0)
     q = torch.softmax(torch.randn(n, vocab, generator=g) * 1.5, -1)
     p = torch.softmax(torch.randn(n + 1, vocab, generator=g) * 1.5, -1)
@@ -98,7 +98,7 @@ def test_tree_sampling_distribution(device, with_draft):
     """The first emitted token follows the root's target distribution: with a draft, when the root's
     three children are drawn from it; without, for fixed proposals (the draft's top 3), where a
     rejected child's token leaves the residual. Deeper nodes: a second level under child 1."""
-    batch, vocab = (4000 if not emulated(device) else 500), 8
+    batch, vocab = (4000 if not emulated(device) else 400), 8
     parents = [-1, 0, 0, 0, 1, 1]
     g = torch.Generator().manual_seed(2)
     p = torch.softmax(torch.randn(6, vocab, generator=g) * 1.5, -1)
