@@ -1,0 +1,394 @@
+"""A prefix cache: a page pool and a radix tree over token ids whose edges are whole KV pages, shared
+by the requests that start with the same tokens, and the planner that turns a batch of running
+requests into the levels of MultiLevelCascadeAttentionWrapper (or the flat page table of
+BatchDecodeWithPagedKVCacheWrapper, for comparison).
+
+The cache manages page indices only; the KV data lives in the caller's paged cache. Pages:
+- A tree node is one full page of tokens (its edge), cached: immutable, shared by every request
+  whose tokens start with the node's path. A running request references the nodes of its path
+  (they cannot be evicted) and owns the pages after them, which nothing else sees.
+- start(tokens): the longest cached prefix of whole pages is shared. When the next page of the
+  request matches a cached page only in its first tokens (the requests diverge inside a page), that
+  page is copied into a page of the request's own (copy-on-write: ``copy_page(src, dst)``, the
+  caller's function that copies a page of its KV cache), and those tokens count as cached too.
+- publish(request): the request's full pages become tree nodes (after its prefill: a later request
+  with the same prefix shares them). Where another request published the same tokens first, the
+  request switches to that page (same tokens at the same positions: the same KV) and frees its own.
+- append(request, n): n more tokens (decode), with a new page when the last one is full.
+- finish(request): publish, then release: its partial last page is freed, its path unreferenced.
+- Unreferenced leaves are evicted least recently used first when the pool runs short; running out
+  with every page referenced raises RuntimeError.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, NamedTuple
+
+import torch
+
+
+class _Node:
+    __slots__ = ("tokens", "page", "parent", "children", "refs", "last_use")
+
+    def __init__(self, tokens, page, parent):
+        self.tokens, self.page, self.parent = tokens, page, parent
+        self.children = {}  # first tokens of the child's page (a tuple) -> node
+        self.refs = 0        # running requests whose path includes this node
+        self.last_use = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A running request: its tokens, the tree nodes it shares (in order) and the pages it owns after
+    them. ``pages`` is its whole page table."""
+
+    tokens: List[int]
+    path: List[_Node] = field(default_factory=list)
+    own: List[int] = field(default_factory=list)
+    cached_tokens: int = 0  # tokens whose KV was in the cache when the request started (no prefill needed)
+    finished: bool = False
+
+    @property
+    def pages(self):
+        return [n.page for n in self.path] + self.own
+
+
+class CascadePlan(NamedTuple):
+    """The arguments of MultiLevelCascadeAttentionWrapper.plan (int32 CPU tensors, one per level) and
+    ``order``: the position in ``requests`` of each query group, in the order the queries must be
+    laid out (requests sharing a prefix are adjacent)."""
+
+    qo_indptr_arr: list
+    paged_kv_indptr_arr: list
+    paged_kv_indices_arr: list
+    paged_kv_last_page_len_arr: list
+    order: list
+
+
+class DecodePlan(NamedTuple):
+    """The arguments of BatchDecodeWithPagedKVCacheWrapper.plan: (indptr, indices, last_page_len)."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+class PrefixCache:
+    def __init__(self, num_pages: int, page_size: int, copy_page=None):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PrefixCache: {name} must be a positive int, got {value!r}")
+        self.num_pages, self.page_size, self.copy_page = num_pages, page_size, copy_page
+        self.root = _Node((), -1, None)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() takes the lowest page first
+        self._clock = 0
+        self.running = []
+
+    # ---- the pool ----
+
+    @property
+    def free_pages(self):
+        return len(self._free)
+
+    def allocate(self, n):
+        """n free pages, evicting unreferenced cached leaves (least recently used first) if needed."""
+        if n > len(self._free):
+            self._evict(n - len(self._free))
+        if n > len(self._free):
+            raise RuntimeError(f"PrefixCache: out of pages: {n} needed, {len(self._free)} free, and every cached "
+                               f"page is held by a running request ({len(self.running)} running)")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages):
+        """Return pages (allocated, not in the tree, not held by a running request) to the pool."""
+        held = {p for r in self.running for p in r.own} | {n.page for n in self._nodes()}
+        for page in pages:
+            if not 0 <= page < self.num_pages or page in self._free or page in held:
+                raise ValueError(f"PrefixCache.free: page {page} is not an allocated page the caller holds")
+            self._free.append(page)
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _evict(self, n):
+        leaves = [node for node in self._nodes() if not node.children and node.refs == 0]
+        leaves.sort(key=lambda node: node.last_use)
+        while n > 0 and leaves:
+            node = leaves.pop(0)
+            del node.parent.children[node.tokens]
+            self._free.append(node.page)
+            n -= 1
+            parent = node.parent
+            if parent is not self.root and not parent.children and parent.refs == 0:  # the parent became a leaf
+                leaves.append(parent)
+                leaves.sort(key=lambda x: x.last_use)
+
+    # ---- the tree ----
+
+    def _touch(self, node):
+        self._clock += 1
+        while node is not self.root:
+            node.last_use = self._clock
+            node = node.parent
+
+    def match(self, tokens):
+        """(num_cached_tokens, pages): the longest prefix of ``tokens`` cached as whole pages."""
+        tokens = _token_list("match", tokens)
+        node, pages = self.root, []
+        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
+            child = node.children.get(tuple(tokens[start:start + self.page_size]))
+            if child is None:
+                break
+            node = child
+            pages.append(node.page)
+        return len(pages) * self.page_size, pages
+
+    def insert(self, tokens, pages):
+        """Cache the full pages of ``tokens`` (their KV in ``pages``, allocated by the caller): pages for
+        tokens already cached are freed; returns the cached pages of the prefix (in the tree's copy)."""
+        tokens = _token_list("insert", tokens)
+        full = len(tokens) // self.page_size
+        if len(pages) < full:
+            raise ValueError(f"PrefixCache.insert: {len(tokens)} tokens need {full} full pages, got {len(pages)}")
+        node, out = self.root, []
+        for i in range(full):
+            key = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node(key, pages[i], node)
+            elif child.page != pages[i]:
+                self._free.append(pages[i])
+            node = child
+            out.append(node.page)
+        self._touch(node)
+        return out
+
+    # ---- requests ----
+
+    def start(self, tokens):
+        """A running request for ``tokens`` (its prompt): the cached prefix shared, a page diverging inside
+        copied (copy_page), own pages allocated for the rest (the caller prefills
+        ``tokens[request.cached_tokens:]`` into them)."""
+        tokens = _token_list("start", tokens)
+        request = Request(list(tokens))
+        node = self.root
+        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
+            child = node.children.get(tuple(tokens[start:start + self.page_size]))
+            if child is None:
+                break
+            node = child
+            request.path.append(node)
+        for n in request.path:
+            n.refs += 1
+        request.cached_tokens = len(request.path) * self.page_size
+        self._touch(node)
+        rest = len(tokens) - request.cached_tokens
+        needed = -(-rest // self.page_size)
+        # a cached page that begins with the next tokens: copy-on-write (the request will write after them)
+        shared, source = 0, None
+        remaining = tokens[request.cached_tokens:]
+        for key, child in node.children.items():
+            common = _common_prefix(key, remaining)
+            if common > shared:
+                shared, source = common, child
+        try:
+            request.own = self.allocate(max(needed, 1 if shared else 0))
+        except RuntimeError:
+            for n in request.path:
+                n.refs -= 1
+            raise
+        if shared:
+            if self.copy_page is not None:
+                self.copy_page(source.page, request.own[0])
+            request.cached_tokens += shared
+            source.last_use = self._clock
+        self.running.append(request)
+        return request
+
+    def append(self, request, n=1):
+        """n more tokens for a running request (their ids, or n placeholders -1 to be set later):
+        allocates the pages they need."""
+        self._check_running("append", request)
+        new = list(n) if not isinstance(n, int) else [-1] * n
+        total = len(request.tokens) + len(new)
+        needed = -(-total // self.page_size) - len(request.pages)
+        if needed > 0:
+            request.own += self.allocate(needed)
+        request.tokens += new
+
+    def publish(self, request):
+        """Cache the request's full pages (their tokens must be final): they become tree nodes, shared by
+        later requests; where the same tokens are cached already, the request switches to that page."""
+        self._check_running("publish", request)
+        if any(t < 0 for t in request.tokens):
+            raise ValueError("PrefixCache.publish: the request has placeholder tokens (-1); set them first")
+        node = request.path[-1] if request.path else self.root
+        full = len(request.tokens) // self.page_size
+        while len(request.path) < full:
+            i = len(request.path)
+            key = tuple(request.tokens[i * self.page_size:(i + 1) * self.page_size])
+            page = request.own.pop(0)
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node(key, page, node)
+            else:
+                self._free.append(page)
+            child.refs += 1
+            request.path.append(child)
+            node = child
+        self._touch(node)
+
+    def finish(self, request):
+        """Publish the request's full pages, release its path and free its partial last page."""
+        self.publish(request)
+        for n in request.path:
+            n.refs -= 1
+        self._free.extend(reversed(request.own))
+        request.own, request.finished = [], True
+        self.running.remove(request)
+
+    def _check_running(self, op, request):
+        if request not in self.running:
+            raise ValueError(f"PrefixCache.{op}: the request is not running in this cache")
+
+    # ---- planning ----
+
+    def plan_decode(self, requests):
+        """The flat page table of the batch: each request's whole KV in one level."""
+        indptr, indices, last = [0], [], []
+        for r in requests:
+            pages = r.pages
+            indices += pages
+            indptr.append(len(indices))
+            last.append(len(r.tokens) - (len(pages) - 1) * self.page_size if pages else 0)
+        return DecodePlan(*(torch.tensor(x, dtype=torch.int32) for x in (indptr, indices, last)))
+
+    def plan_cascade(self, requests, max_levels=8, qo_lens=None):
+        """The cascade levels of the batch: each run of tree nodes shared by the same two or more requests
+        is one group's KV at the level of its depth (runs shared by more requests above); a request's
+        other pages (its unshared nodes and its own pages) form its last level. With more levels than
+        max_levels, the adjacent pair whose merge reads the fewest more KV tokens is merged, until they
+        fit. qo_lens: query tokens per request (default 1: decode), in ``requests``' order."""
+        if not 1 <= max_levels <= 8:
+            raise ValueError(f"plan_cascade: max_levels must be 1 to 8, got {max_levels}")
+        n = len(requests)
+        qo_lens = [1] * n if qo_lens is None else list(qo_lens)
+        if set(map(id, requests)) == set(map(id, self.running)) and len(requests) == len(self.running):
+            count = lambda node: node.refs  # noqa: E731  (the batch is every running request)
+        else:
+            counts = {}
+            for r in requests:
+                for node in r.path:
+                    counts[id(node)] = counts.get(id(node), 0) + 1
+            count = lambda node: counts[id(node)]  # noqa: E731
+        # Shared runs of each path, computed once per node (requests share their prefixes' work): a run is
+        # a chain of nodes shared by the same requests (equal counts down a path mean the same set); each
+        # node maps to the runs from the root to it.
+        memo = {id(self.root): []}
+
+        def runs_to(node):
+            stack = []
+            while id(node) not in memo:
+                stack.append(node)
+                node = node.parent
+            runs = memo[id(node)]
+            for node in reversed(stack):
+                c = count(node)
+                if runs and runs[-1][0] == c and runs[-1][2] is node.parent:
+                    runs[-1][1].append(node.page)  # only this child carries the run's requests
+                    runs[-1][2] = node
+                else:
+                    runs = runs + [[c, [node.page], node]]
+                memo[id(node)] = runs
+            return runs
+
+        rows = []
+        for r in requests:
+            unshared = []
+            k = len(r.path)
+            while k > 0 and count(r.path[k - 1]) < 2:  # counts fall down a path: the unshared nodes end it
+                k -= 1
+                unshared.append(r.path[k].page)
+            runs = runs_to(r.path[k - 1]) if k > 0 else []
+            rows.append(([(id(run), run[1]) for run in runs], unshared[::-1] + r.own, r))
+        # requests sharing a run are adjacent: order by the runs of their paths
+        order = sorted(range(n), key=lambda i: [key for key, _ in rows[i][0]])
+        rows = [rows[i] for i in order]
+        depth = max((len(shared) for shared, _, _ in rows), default=0)
+        # levels[l][k]: (group key, pages) of the k-th request in order; the last level is per request
+        levels = [[(shared[l] if l < len(shared) else (("empty", k), [])) for k, (shared, _, _) in enumerate(rows)]
+                  for l in range(depth)]
+        levels.append([(("own", k), own) for k, (_, own, _) in enumerate(rows)])
+
+        def cost(level):
+            seen, total = set(), 0
+            for key, pages in level:
+                if key not in seen:
+                    seen.add(key)
+                    total += len(pages)
+            return total
+
+        while len(levels) > max_levels:
+            best = None
+            for l in range(len(levels) - 1):
+                merged = [((a[0], b[0]), a[1] + b[1]) for a, b in zip(levels[l], levels[l + 1])]
+                added = cost(merged) - cost(levels[l]) - cost(levels[l + 1])
+                if best is None or added < best[0]:
+                    best = (added, l, merged)
+            _, l, merged = best
+            levels[l:l + 2] = [merged]
+        qo_indptr_arr, kv_indptr_arr, kv_indices_arr, last_arr = [], [], [], []
+        lens = [qo_lens[i] for i in order]
+        for l, level in enumerate(levels):
+            qo, kv, indices, last = [0], [0], [], []
+            for k, (key, pages) in enumerate(level):
+                if k > 0 and key == level[k - 1][0] and l < len(levels) - 1:
+                    qo[-1] += lens[k]  # the same group as the request before
+                    continue
+                qo.append(qo[-1] + lens[k])
+                indices += pages
+                kv.append(len(indices))
+                if l == len(levels) - 1:
+                    r = rows[k][2]  # its last page ends the level: the request's last page
+                    last.append(len(r.tokens) - (len(r.path) + len(r.own) - 1) * self.page_size if pages else 0)
+                else:
+                    last.append(self.page_size if pages else 0)
+            for arr, values in ((qo_indptr_arr, qo), (kv_indptr_arr, kv), (kv_indices_arr, indices), (last_arr, last)):
+                arr.append(torch.tensor(values, dtype=torch.int32))
+        return CascadePlan(qo_indptr_arr, kv_indptr_arr, kv_indices_arr, last_arr, order)
+
+    def kv_tokens_read(self, plan):
+        """Tokens of KV a plan (CascadePlan or DecodePlan) reads: every group's pages once."""
+        if isinstance(plan, DecodePlan):
+            levels = [(plan.indptr, plan.last_page_len)]
+        else:
+            levels = zip(plan.paged_kv_indptr_arr, plan.paged_kv_last_page_len_arr)
+        total = 0
+        for indptr, last in levels:
+            pages = (indptr[1:] - indptr[:-1]).long()
+            total += int(((pages - 1).clamp_min(0) * self.page_size + torch.where(pages > 0, last.long(), 0)).sum())
+        return total
+
+
+def _common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _token_list(op, tokens):
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() != 1:
+            raise TypeError(f"PrefixCache.{op}: tokens must be a 1-D int32 or int64 tensor, got {tokens.dtype} "
+                            f"of shape {tuple(tokens.shape)}")
+        return tokens.tolist()
+    tokens = list(tokens)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise TypeError(f"PrefixCache.{op}: tokens must be ints")
+    return tokens
