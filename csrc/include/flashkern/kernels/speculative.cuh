@@ -92,6 +92,14 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
     int u = 0, accepted = 0;
     uint32_t draw = uint32_t(p.nodes);  // draws below `nodes` are the children's coins
     int64_t emitted = -1;
+    const auto accept = [&](int c) {  // candidate c joins the accepted path; the walk moves to it
+      if (threadIdx.x == 0) {
+        out_tokens[accepted] = int32_t(token_of(c));
+        if (out_nodes != nullptr) out_nodes[accepted] = c;
+      }
+      ++accepted;
+      u = c;
+    };
     while (emitted < 0) {
       if (p.mode == SpeculativeMode::greedy) {
         // The argmax of the target at u, ties to the lowest index.
@@ -116,16 +124,10 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
         int next = -1;
         for (int c = u + 1; c < p.nodes && next < 0; ++c)
           if (parent(c) == u && token_of(c) == argmax) next = c;
-        if (next < 0) {
+        if (next < 0)
           emitted = argmax;
-        } else {
-          if (threadIdx.x == 0) {
-            out_tokens[accepted] = int32_t(token_of(next));
-            if (out_nodes != nullptr) out_nodes[accepted] = next;
-          }
-          ++accepted;
-          u = next;
-        }
+        else
+          accept(next);
         continue;
       }
       if constexpr (std::is_same_v<T, float>) {  // sampling takes float32 probabilities (the glue checks)
@@ -180,12 +182,7 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
         }
       }
       if (next >= 0) {
-        if (threadIdx.x == 0) {
-          out_tokens[accepted] = int32_t(token_of(next));
-          if (out_nodes != nullptr) out_nodes[accepted] = next;
-        }
-        ++accepted;
-        u = next;
+        accept(next);
         continue;
       }
       const ResidualMasses<kVec> residual{pr, qr, a, sh.excluded, excluded, p.vocab};
