@@ -1,7 +1,9 @@
 """What is benchmarked: shapes from real models, the providers of each op, and the bytes each op
 must move at least (every input read once, every output written once)."""
 
+import functools
 import os
+import random
 
 import torch
 import torch.nn.functional as F
@@ -916,4 +918,83 @@ CHAIN_SPECULATIVE = [
     Provider("torch", lambda d, ids, t: (lambda: _torch_chain_speculative(d, ids, t))),
     Provider("flashinfer", lambda d, ids, t: (lambda: _flashinfer_sampling().chain_speculative_sampling(d, ids, t)),
              "flashinfer.sampling", True),
+]
+
+
+# ---------------------------------------------------------------- the prefix cache
+
+
+def prefix_cache_requests():
+    """Requests per batch: the planner at 256 / 1K / 4K, the decode step at the sizes a GPU run affords."""
+    return [48] if BENCH_SET == "smoke" else [256, 1024, 4096]
+
+
+def prefix_decode_requests():
+    return [48] if BENCH_SET == "smoke" else [256, 1024]
+
+
+@functools.lru_cache(maxsize=None)
+def prefix_cache_batch(requests, seed=0):
+    """(cache, requests): a serving batch in a PrefixCache. Four system prompts (987 to 3001 tokens, off
+    page boundaries; a sixteenth in the smoke set), each with four few-shot blocks (211 to 577 tokens)
+    that half of its requests put after it; every request has its own question (20 to 300 tokens) and
+    has generated 1 to 200 tokens. Prompts are published as they start, as after their prefill."""
+    from flashkern.prefix_cache import PrefixCache
+
+    rng = random.Random(seed)
+    scale = 16 if BENCH_SET == "smoke" else 1
+    words = lambda n: [rng.randrange(32000) for _ in range(max(1, n // scale))]  # noqa: E731
+    systems = [words(n) for n in (987, 1531, 2203, 3001)]
+    shots = [[words(rng.randrange(211, 578)) for _ in range(4)] for _ in systems]
+    prompts, own = [], 0
+    for _ in range(requests):
+        s = rng.randrange(len(systems))
+        shot = shots[s][rng.randrange(4)] if rng.random() < 0.5 else []
+        question, generated = words(rng.randrange(20, 301)), words(rng.randrange(1, 201) * scale)
+        prompts.append((systems[s] + shot + question, generated))
+        own += len(question) + len(generated)
+    shared = sum(map(len, systems)) + sum(len(b) for s in shots for b in s)
+    cache = PrefixCache((shared + own) // PAGE_SIZE + 3 * requests + 64, PAGE_SIZE)
+    batch = []
+    for prompt, new in prompts:
+        r = cache.start(prompt)
+        cache.publish(r)
+        cache.append(r, new)
+        batch.append(r)
+    return cache, batch
+
+
+class PrefixDecodeCase:
+    """One decode step of a prefix-cache batch: a random paged KV cache, q, and the batch planned both
+    ways (the cascade's queries in plan.order: the same work in another layout)."""
+
+    def __init__(self, seed, requests, dtype):
+        cache, batch = prefix_cache_batch(requests)
+        qo_heads, kv_heads = _heads(4)
+        self.kv = rand((cache.num_pages, 2, PAGE_SIZE, kv_heads, HEAD_DIM), dtype, seed)
+        self.q = rand((len(batch), qo_heads, HEAD_DIM), dtype, 10**5 + seed)
+        self.decode = _flashkern().BatchDecodeWithPagedKVCacheWrapper(_workspace())
+        self.decode.plan(*cache.plan_decode(batch), qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE, q_data_type=dtype)
+        plan = cache.plan_cascade(batch)
+        self.cascade = _flashkern().MultiLevelCascadeAttentionWrapper(len(plan.qo_indptr_arr), _workspace())
+        self.cascade.plan(plan.qo_indptr_arr, plan.paged_kv_indptr_arr, plan.paged_kv_indices_arr,
+                          plan.paged_kv_last_page_len_arr, qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE, q_data_type=dtype)
+
+
+def prefix_decode_bytes(requests, dtype):
+    """Unique bytes: every cached KV token of the batch once (what the cascade reads), q and the output."""
+    cache, batch = prefix_cache_batch(requests)
+    s = torch.finfo(dtype).bits // 8
+    qo_heads, kv_heads = _heads(4)
+    kv_tokens = cache.kv_tokens_read(cache.plan_cascade(batch))
+    return 2 * len(batch) * qo_heads * HEAD_DIM * s + 2 * kv_tokens * kv_heads * HEAD_DIM * s
+
+
+def prefix_decode_inputs(requests, dtype):
+    return lambda seed: (PrefixDecodeCase(seed, requests, dtype),)
+
+
+PREFIX_DECODE = [  # the batch through plan_cascade, and through plan_decode (the baseline)
+    Provider("flashkern", lambda case: (lambda: case.cascade.run(case.q, case.kv)), requires="flashkern"),
+    Provider("flashkern (plan_decode)", lambda case: (lambda: case.decode.run(case.q, case.kv)), requires="flashkern"),
 ]

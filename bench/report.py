@@ -27,7 +27,8 @@ def load(paths):
 
 
 # The provider each op's rows are compared with ("speedup" column); torch unless named here.
-BASELINE = {"cascade": "flashkern (no cascade)"}
+BASELINE = {"cascade": "flashkern (no cascade)", "prefix_cache_decode": "flashkern (plan_decode)",
+            "prefix_cache_plan": "plan_decode"}
 # Dense fp16/bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), for
 # ops that report FLOPs (prefill attention).
 DENSE_16BIT_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0}
@@ -91,7 +92,7 @@ def markdown(rows, sources):
         ]
         for e in sorted(items, key=lambda e: (e["shape"], e["dtype"], e["provider"])):
             speedup = ratio.get((tuple(e["shape"]), e["dtype"], e["provider"]))
-            timing = e["timing"] + ("" if e.get("l2_cold") else ", L2-warm")
+            timing = e["timing"] + ("" if e.get("l2_cold", True) else ", L2-warm")
             lines.append(
                 f"| {tuple(e['shape'])} | {e['dtype']} | {e['provider']} | {_fmt(e.get('median_us'), '.2f')} | "
                 f"{_fmt(e.get('gbps'), '.4g')} | {_fmt(e.get('pct_peak'), '.0f')} | {_fmt(e.get('pct_copy'), '.0f')} | "

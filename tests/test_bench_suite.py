@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import report  # noqa: E402
 OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "gelu_and_mul",
        "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states", "batch_decode", "cascade", "prefill",
        "top_k_sampling_from_probs", "top_p_sampling_from_probs", "top_k_top_p_sampling_from_probs",
        "sampling_from_probs", "min_p_sampling_from_probs", "top_k_renorm_probs", "top_p_renorm_probs",
-       "top_k_mask_logits", "chain_speculative_sampling"}
+       "top_k_mask_logits", "chain_speculative_sampling", "prefix_cache_decode"}
+HOST_OPS = {"prefix_cache_plan": {"plan_cascade", "plan_decode"}}  # host code: µs per call, no bytes
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +41,18 @@ def test_every_op_is_measured_with_bytes_and_bandwidth(bench_json):
     assert info["commit"] == "test-commit" and info["torch"] and info["copy_gbps"] > 0
     assert info["missing_providers"], "the peers not installed here must be listed"
     extras = [b["extra_info"] for b in data["benchmarks"]]
-    assert {e["op"] for e in extras} == OPS
+    assert {e["op"] for e in extras} == OPS | set(HOST_OPS)
+    for op, providers in HOST_OPS.items():
+        host = [e for e in extras if e["op"] == op]
+        assert {e["provider"] for e in host} == providers and all(e["median_us"] > 0 for e in host)
+    extras = [e for e in extras if e["op"] not in HOST_OPS]
     for e in extras:
         assert e["bytes"] > 0 and e["median_us"] > 0 and e["host_us"] > 0
         assert abs(e["gbps"] - e["bytes"] / (e["median_us"] * 1e-6) / 1e9) < 1e-6 * e["gbps"]
         assert e["pct_copy"] > 0
     for op in OPS:
         providers = {e["provider"] for e in extras if e["op"] == op}
-        baseline = "flashkern (no cascade)" if op == "cascade" else "torch"
+        baseline = report.BASELINE.get(op, "torch")
         assert {"flashkern", baseline} <= providers, (op, providers)
     assert all(e["prefix_len"] > 0 for e in extras if e["op"] == "cascade")
     assert all(e["flops"] > 0 and e["tflops"] > 0 for e in extras if e["op"] == "prefill")
@@ -54,7 +61,6 @@ def test_every_op_is_measured_with_bytes_and_bandwidth(bench_json):
 def test_clock_reports_time_per_launch():
     """pytest-benchmark times a round of K launches with bench.harness.clock scaled by 1/K, so its
     statistics (and --benchmark-compare) are per launch. 40 ms with K = 4 must read about 10 ms."""
-    sys.path.insert(0, str(ROOT))
     from bench.harness import DeviceClock
 
     clock = DeviceClock()

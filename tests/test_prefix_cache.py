@@ -63,6 +63,36 @@ def check_invariants(sim, model):
             assert list(node.tokens) == r.tokens[depth * ps:(depth + 1) * ps]
 
 
+def levels_per_request(plan):
+    """Each request's (pages, last_page_len) per level of a cascade plan, in plan.order (one query each)."""
+    out = [[] for _ in plan.order]
+    for qo, kv, idx, last in zip(plan.qo_indptr_arr, plan.paged_kv_indptr_arr, plan.paged_kv_indices_arr,
+                                 plan.paged_kv_last_page_len_arr):
+        for g in range(len(qo) - 1):
+            for k in range(int(qo[g]), int(qo[g + 1])):
+                out[k].append((idx[kv[g]:kv[g + 1]].tolist(), int(last[g])))
+    return out
+
+
+def check_plans(cache, requests, max_levels):
+    """Both plans spell every request's page table; a cascade level's last page is full except the
+    request's own last page; requests sharing a group are adjacent by construction (CSR)."""
+    ps = cache.page_size
+    decode = cache.plan_decode(requests)
+    assert decode.indptr.tolist() == [0] + [sum(len(r.pages) for r in requests[:i + 1]) for i in range(len(requests))]
+    assert decode.indices.tolist() == [p for r in requests for p in r.pages]
+    assert decode.last_page_len.tolist() == [len(r.tokens) - (len(r.pages) - 1) * ps if r.pages else 0 for r in requests]
+    plan = cache.plan_cascade(requests, max_levels=max_levels)
+    assert sorted(plan.order) == list(range(len(requests))) and 1 <= len(plan.qo_indptr_arr) <= max_levels
+    for k, levels in enumerate(levels_per_request(plan)):
+        r = requests[plan.order[k]]
+        assert [p for pages, _ in levels for p in pages] == r.pages
+        *upper, (own, own_last) = levels
+        assert all(last == (ps if pages else 0) for pages, last in upper)
+        assert own_last == (len(r.tokens) - (len(r.pages) - 1) * ps if own else 0)
+    assert cache.kv_tokens_read(plan) <= cache.kv_tokens_read(decode)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_model_based(seed):
     """Random operations with two alphabets of prefixes (shared system prompts, divergence inside pages,
@@ -96,6 +126,8 @@ def test_model_based(seed):
             assert "out of pages" in str(e)
             out_of_pages += 1
         check_invariants(sim, model)
+        running = sim.cache.running
+        check_plans(sim.cache, rng.sample(running, rng.randrange(len(running) + 1)), rng.randrange(1, 9))
     for r in list(sim.cache.running):
         sim.cache.finish(r)
     check_invariants(sim, {})
@@ -116,6 +148,18 @@ def test_sharing_and_copy_on_write():
     assert sim.kv[1] == [5, 6, 7, 8]
     with pytest.raises(ValueError, match="not running"):
         sim.cache.append(Simulated(4, 4).start([1]), 1)
+
+
+def test_partial_leaf():
+    """A finished request's partial last page stays cached: a request with the same first tokens copies it."""
+    sim = Simulated(16, 4)
+    a = sim.start([1, 2, 3, 4, 5, 6])
+    sim.cache.finish(a)
+    b = sim.start([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert b.cached_tokens == 6 and b.path[0].page == 0 and b.own[0] != 1
+    assert sim.kv[b.own[0]][:2] == [5, 6]
+    sim.cache.finish(sim.start([1, 2, 3, 4, 5, 6]))  # the same partial tokens again: not cached twice
+    assert len([n for n in sim.cache._nodes() if len(n.tokens) < 4]) == 1
 
 
 def test_eviction_and_exhaustion():
@@ -145,6 +189,22 @@ def test_bad_input():
         cache.free([99])
     with pytest.raises(ValueError, match="max_levels"):
         cache.plan_cascade([r], max_levels=9)
+    with pytest.raises(ValueError, match="twice"):
+        cache.plan_cascade([r, r])
+    with pytest.raises(ValueError, match="running"):
+        cache.plan_decode([PrefixCache(8, 4).start([1])])
+    with pytest.raises(ValueError, match="qo_lens"):
+        cache.plan_cascade([r], qo_lens=[1, 2])
+    done = cache.start([7])
+    cache.finish(done)
+    with pytest.raises(ValueError, match="running"):
+        cache.plan_cascade([r, done])
+    cache.append(r, [4, 5])
+    cache._prev[r.own[1]] = r.own[1]  # a page table that loops: the planner checks every one
+    with pytest.raises(ValueError, match="does not hold its 5 tokens"):
+        cache.plan_decode([r])
+    with pytest.raises(ValueError, match="does not hold its 5 tokens"):
+        cache.plan_cascade([r])
 
 
 def random_batch(rng, cache, n_requests, page_size, depth):

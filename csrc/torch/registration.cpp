@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "flashkern/attention_plan.h"
+#include "flashkern/prefix_plan.h"
 #include "schemas.h"
 
 #ifndef FLASHKERN_BACKEND
@@ -69,6 +70,52 @@ static PyObject* plan_attention(PyObject*, PyObject* args) {
                        (long long)r.chunk, r.needs_merge ? Py_True : Py_False);
 }
 
+// _C.plan_prefix_cascade(prev, num_pages, page_size, slots, n, slot_last, slot_tokens, num_slots, qo_lens, max_levels)
+// _C.plan_prefix_decode(the same, qo_lens 0, max_levels 1)
+//   -> ([(qo_indptr, kv_indptr, kv_indices, last_page_len)] per level, order), each a bytearray of int32,
+//   or ValueError. Addresses of host buffers (prefix_plan.h): prev, slots, slot_last (int32),
+//   slot_tokens (int64) and qo_lens (int32 [n], or 0: one query each).
+static PyObject* int32_bytes(const std::vector<int32_t>& v) {
+  return PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(v.data()), Py_ssize_t(v.size() * sizeof(int32_t)));
+}
+
+template <bool kCascade>
+static PyObject* plan_prefix(PyObject*, PyObject* args) {
+  unsigned long long prev = 0, slots = 0, slot_last = 0, slot_tokens = 0, qo = 0;
+  long long num_pages = 0, page_size = 0, n = 0, num_slots = 0;
+  int max_levels = 0;
+  if (!PyArg_ParseTuple(args, "KLLKLKKLKi", &prev, &num_pages, &page_size, &slots, &n, &slot_last, &slot_tokens,
+                        &num_slots, &qo, &max_levels))
+    return nullptr;
+  std::vector<int32_t> last;
+  std::vector<int64_t> tokens;
+  fk::PrefixPlan plan;
+  plan.error = fk::gather_requests(reinterpret_cast<const int32_t*>(slots), n, reinterpret_cast<const int32_t*>(slot_last),
+                                   reinterpret_cast<const int64_t*>(slot_tokens), num_slots, last, tokens);
+  if (plan.error.empty()) {
+    const fk::PrefixPlanInput in{reinterpret_cast<const int32_t*>(prev), num_pages, page_size, last.data(),
+                                 tokens.data(), reinterpret_cast<const int32_t*>(qo), n};
+    plan = kCascade ? fk::plan_prefix_cascade(in, max_levels) : fk::plan_prefix_decode(in);
+  }
+  if (!plan.error.empty()) {
+    PyErr_SetString(PyExc_ValueError, plan.error.c_str());
+    return nullptr;
+  }
+  PyObject* levels = PyList_New(0);
+  if (levels == nullptr) return nullptr;
+  for (const fk::PrefixPlanLevel& l : plan.levels) {
+    PyObject* t = Py_BuildValue("(NNNN)", int32_bytes(l.qo_indptr), int32_bytes(l.kv_indptr), int32_bytes(l.kv_indices),
+                                int32_bytes(l.last_page_len));
+    if (t == nullptr || PyList_Append(levels, t) != 0) {
+      Py_XDECREF(t);
+      Py_DECREF(levels);
+      return nullptr;
+    }
+    Py_DECREF(t);
+  }
+  return Py_BuildValue("(NN)", levels, int32_bytes(plan.order));
+}
+
 // _C.workspace_layout(bytes, batch, qo_heads, head_dim)
 //   -> (int_words, item_capacity, slot_capacity, partial_s_offset, partial_v_offset)
 static PyObject* workspace_layout(PyObject*, PyObject* args) {
@@ -95,6 +142,8 @@ static PyObject* attention_kind(PyObject*, PyObject* args) {
 
 static PyMethodDef methods[] = {
     {"plan_attention", plan_attention, METH_VARARGS, "Plan batch attention over a paged KV cache (host)."},
+    {"plan_prefix_cascade", plan_prefix<true>, METH_VARARGS, "Plan the cascade levels of a prefix cache's batch (host)."},
+    {"plan_prefix_decode", plan_prefix<false>, METH_VARARGS, "The flat page table of a prefix cache's batch (host)."},
     {"workspace_layout", workspace_layout, METH_VARARGS, "Where a plan and its partial states sit in a workspace."},
     {"workspace_bytes", workspace_bytes, METH_VARARGS, "The workspace size for a number of partial states."},
     {"attention_kind", attention_kind, METH_VARARGS, "The attention kernel a group of queries runs."},

@@ -15,15 +15,24 @@ The cache manages page indices only; the KV data lives in the caller's paged cac
   with the same prefix shares them). Where another request published the same tokens first, the
   request switches to that page (same tokens at the same positions: the same KV) and frees its own.
 - append(request, n): n more tokens (decode), with a new page when the last one is full.
-- finish(request): publish, then release: its partial last page is freed, its path unreferenced.
+- finish(request): publish, then release: its path is unreferenced and its partial last page stays
+  in the tree as a leaf (a later request starting with those tokens copies it).
+- publish and finish cache the KV in the request's pages: every token's KV must be written by then.
 - Unreferenced leaves are evicted least recently used first when the pool runs short; running out
   with every page referenced raises RuntimeError.
+
+Planning is C++ (csrc/include/flashkern/prefix_plan.h): the cache keeps prev[page], the page before
+each page in its holder's page table, so a request is its last page and its token count, kept in
+arrays by request slot as the request changes.
 """
 
+from array import array
 from dataclasses import dataclass, field
 from typing import List, NamedTuple
 
 import torch
+
+from . import _C
 
 
 class _Node:
@@ -31,7 +40,7 @@ class _Node:
 
     def __init__(self, tokens, page, parent):
         self.tokens, self.page, self.parent = tokens, page, parent
-        self.children = {}  # first tokens of the child's page (a tuple) -> node
+        self.children = {}  # the child's tokens (a tuple: a full page, or fewer at a partial leaf) -> node
         self.refs = 0        # running requests whose path includes this node
         self.last_use = 0
 
@@ -46,10 +55,16 @@ class Request:
     own: List[int] = field(default_factory=list)
     cached_tokens: int = 0  # tokens whose KV was in the cache when the request started (no prefill needed)
     finished: bool = False
+    _cache: "PrefixCache" = field(default=None, repr=False)
+    _slot: int = field(default=-1, repr=False)  # its entries in the cache's arrays for the planner
 
     @property
     def pages(self):
         return [n.page for n in self.path] + self.own
+
+    @property
+    def last_page(self):
+        return self.own[-1] if self.own else self.path[-1].page if self.path else -1
 
 
 class CascadePlan(NamedTuple):
@@ -80,6 +95,8 @@ class PrefixCache:
         self.num_pages, self.page_size, self.copy_page = num_pages, page_size, copy_page
         self.root = _Node((), -1, None)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() takes the lowest page first
+        self._prev = array("i", [-1]) * num_pages  # the page before each page in its holder's page table
+        self._slot_last, self._slot_tokens, self._free_slots = array("i"), array("q"), []  # per running request
         self._clock = 0
         self.running = []
 
@@ -158,7 +175,7 @@ class PrefixCache:
             key = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(key, pages[i], node)
+                child = self._add_node(node, key, pages[i])
             elif child.page != pages[i]:
                 self._free.append(pages[i])
             node = child
@@ -205,6 +222,15 @@ class PrefixCache:
                 self.copy_page(source.page, request.own[0])
             request.cached_tokens += shared
             source.last_use = self._clock
+        if self._free_slots:
+            request._slot = self._free_slots.pop()
+        else:
+            request._slot = len(self._slot_tokens)
+            self._slot_last.append(-1)
+            self._slot_tokens.append(-1)
+        request._cache = self
+        self._slot_tokens[request._slot] = len(request.tokens)
+        self._link(request)
         self.running.append(request)
         return request
 
@@ -217,7 +243,9 @@ class PrefixCache:
         needed = -(-total // self.page_size) - len(request.pages)
         if needed > 0:
             request.own += self.allocate(needed)
+            self._link(request)
         request.tokens += new
+        self._slot_tokens[request._slot] = len(request.tokens)
 
     def publish(self, request):
         """Cache the request's full pages (their tokens must be final): they become tree nodes, shared by
@@ -233,38 +261,56 @@ class PrefixCache:
             page = request.own.pop(0)
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(key, page, node)
+                child = self._add_node(node, key, page)
             else:
                 self._free.append(page)
             child.refs += 1
             request.path.append(child)
             node = child
+        self._link(request)
         self._touch(node)
 
     def finish(self, request):
-        """Publish the request's full pages, release its path and free its partial last page."""
+        """Publish the request's full pages, release its path and cache its partial last page as a leaf."""
         self.publish(request)
         for n in request.path:
             n.refs -= 1
-        self._free.extend(reversed(request.own))
+        if request.own:  # one partial page: a leaf, unless the same tokens are cached there already
+            node = request.path[-1] if request.path else self.root
+            key = tuple(request.tokens[len(request.path) * self.page_size:])
+            if key in node.children:
+                self._free.append(request.own[0])
+            else:
+                self._add_node(node, key, request.own[0]).last_use = self._clock
         request.own, request.finished = [], True
         self.running.remove(request)
+        self._slot_tokens[request._slot] = -1
+        self._free_slots.append(request._slot)
+        request._slot = -1
+
+    def _add_node(self, parent, key, page):
+        node = parent.children[key] = _Node(key, page, parent)
+        self._prev[page] = parent.page
+        return node
+
+    def _link(self, request):
+        """prev of the request's own pages (each after the one before it in its page table) and its last page."""
+        before = request.path[-1].page if request.path else -1
+        for page in request.own:
+            self._prev[page] = before
+            before = page
+        self._slot_last[request._slot] = before
 
     def _check_running(self, op, request):
-        if request not in self.running:
+        if request._cache is not self or request.finished:
             raise ValueError(f"PrefixCache.{op}: the request is not running in this cache")
 
     # ---- planning ----
 
     def plan_decode(self, requests):
         """The flat page table of the batch: each request's whole KV in one level."""
-        indptr, indices, last = [0], [], []
-        for r in requests:
-            pages = r.pages
-            indices += pages
-            indptr.append(len(indices))
-            last.append(len(r.tokens) - (len(pages) - 1) * self.page_size if pages else 0)
-        return DecodePlan(*(torch.tensor(x, dtype=torch.int32) for x in (indptr, indices, last)))
+        (level,), _ = self._plan("plan_decode", _C.plan_prefix_decode, requests, None, 1)
+        return DecodePlan(*(_int32(x) for x in (level[1], level[2], level[3])))
 
     def plan_cascade(self, requests, max_levels=8, qo_lens=None):
         """The cascade levels of the batch: each run of tree nodes shared by the same two or more requests
@@ -272,93 +318,27 @@ class PrefixCache:
         other pages (its unshared nodes and its own pages) form its last level. With more levels than
         max_levels, the adjacent pair whose merge reads the fewest more KV tokens is merged, until they
         fit. qo_lens: query tokens per request (default 1: decode), in ``requests``' order."""
-        if not 1 <= max_levels <= 8:
-            raise ValueError(f"plan_cascade: max_levels must be 1 to 8, got {max_levels}")
-        n = len(requests)
-        qo_lens = [1] * n if qo_lens is None else list(qo_lens)
-        if set(map(id, requests)) == set(map(id, self.running)) and len(requests) == len(self.running):
-            count = lambda node: node.refs  # noqa: E731  (the batch is every running request)
-        else:
-            counts = {}
-            for r in requests:
-                for node in r.path:
-                    counts[id(node)] = counts.get(id(node), 0) + 1
-            count = lambda node: counts[id(node)]  # noqa: E731
-        # Shared runs of each path, computed once per node (requests share their prefixes' work): a run is
-        # a chain of nodes shared by the same requests (equal counts down a path mean the same set); each
-        # node maps to the runs from the root to it.
-        memo = {id(self.root): []}
+        if not isinstance(max_levels, int) or not 1 <= max_levels <= 8:
+            raise ValueError(f"plan_cascade: max_levels must be 1 to 8, got {max_levels!r}")
+        if qo_lens is not None:
+            qo_lens = list(qo_lens)
+            if len(qo_lens) != len(requests) or not all(isinstance(q, int) and q >= 0 for q in qo_lens):
+                raise ValueError(f"plan_cascade: qo_lens must be {len(requests)} non-negative ints, one per request")
+        levels, order = self._plan("plan_cascade", _C.plan_prefix_cascade, requests, qo_lens, max_levels)
+        return CascadePlan(*([_int32(level[i]) for level in levels] for i in range(4)), _int32(order).tolist())
 
-        def runs_to(node):
-            stack = []
-            while id(node) not in memo:
-                stack.append(node)
-                node = node.parent
-            runs = memo[id(node)]
-            for node in reversed(stack):
-                c = count(node)
-                if runs and runs[-1][0] == c and runs[-1][2] is node.parent:
-                    runs[-1][1].append(node.page)  # only this child carries the run's requests
-                    runs[-1][2] = node
-                else:
-                    runs = runs + [[c, [node.page], node]]
-                memo[id(node)] = runs
-            return runs
-
-        rows = []
-        for r in requests:
-            unshared = []
-            k = len(r.path)
-            while k > 0 and count(r.path[k - 1]) < 2:  # counts fall down a path: the unshared nodes end it
-                k -= 1
-                unshared.append(r.path[k].page)
-            runs = runs_to(r.path[k - 1]) if k > 0 else []
-            rows.append(([(id(run), run[1]) for run in runs], unshared[::-1] + r.own, r))
-        # requests sharing a run are adjacent: order by the runs of their paths
-        order = sorted(range(n), key=lambda i: [key for key, _ in rows[i][0]])
-        rows = [rows[i] for i in order]
-        depth = max((len(shared) for shared, _, _ in rows), default=0)
-        # levels[l][k]: (group key, pages) of the k-th request in order; the last level is per request
-        levels = [[(shared[l] if l < len(shared) else (("empty", k), [])) for k, (shared, _, _) in enumerate(rows)]
-                  for l in range(depth)]
-        levels.append([(("own", k), own) for k, (_, own, _) in enumerate(rows)])
-
-        def cost(level):
-            seen, total = set(), 0
-            for key, pages in level:
-                if key not in seen:
-                    seen.add(key)
-                    total += len(pages)
-            return total
-
-        while len(levels) > max_levels:
-            best = None
-            for l in range(len(levels) - 1):
-                merged = [((a[0], b[0]), a[1] + b[1]) for a, b in zip(levels[l], levels[l + 1])]
-                added = cost(merged) - cost(levels[l]) - cost(levels[l + 1])
-                if best is None or added < best[0]:
-                    best = (added, l, merged)
-            _, l, merged = best
-            levels[l:l + 2] = [merged]
-        qo_indptr_arr, kv_indptr_arr, kv_indices_arr, last_arr = [], [], [], []
-        lens = [qo_lens[i] for i in order]
-        for l, level in enumerate(levels):
-            qo, kv, indices, last = [0], [0], [], []
-            for k, (key, pages) in enumerate(level):
-                if k > 0 and key == level[k - 1][0] and l < len(levels) - 1:
-                    qo[-1] += lens[k]  # the same group as the request before
-                    continue
-                qo.append(qo[-1] + lens[k])
-                indices += pages
-                kv.append(len(indices))
-                if l == len(levels) - 1:
-                    r = rows[k][2]  # its last page ends the level: the request's last page
-                    last.append(len(r.tokens) - (len(r.path) + len(r.own) - 1) * self.page_size if pages else 0)
-                else:
-                    last.append(self.page_size if pages else 0)
-            for arr, values in ((qo_indptr_arr, qo), (kv_indptr_arr, kv), (kv_indices_arr, indices), (last_arr, last)):
-                arr.append(torch.tensor(values, dtype=torch.int32))
-        return CascadePlan(qo_indptr_arr, kv_indptr_arr, kv_indices_arr, last_arr, order)
+    def _plan(self, op, planner, requests, qo_lens, max_levels):
+        """The C++ planner over the requests' slots (it checks that each is running, once)."""
+        slots = array("i", [r._slot for r in requests if r._cache is self])
+        if len(slots) != len(requests):
+            raise ValueError(f"PrefixCache.{op}: every request must be running in this cache")
+        qo = array("i", qo_lens) if qo_lens is not None else None
+        try:
+            return planner(self._prev.buffer_info()[0], self.num_pages, self.page_size, slots.buffer_info()[0],
+                           len(slots), self._slot_last.buffer_info()[0], self._slot_tokens.buffer_info()[0],
+                           len(self._slot_tokens), qo.buffer_info()[0] if qo is not None else 0, max_levels)
+        except ValueError as e:
+            raise ValueError(f"PrefixCache.{op}: {e}") from None
 
     def kv_tokens_read(self, plan):
         """Tokens of KV a plan (CascadePlan or DecodePlan) reads: every group's pages once."""
@@ -371,6 +351,10 @@ class PrefixCache:
             pages = (indptr[1:] - indptr[:-1]).long()
             total += int(((pages - 1).clamp_min(0) * self.page_size + torch.where(pages > 0, last.long(), 0)).sum())
         return total
+
+
+def _int32(buffer):
+    return torch.frombuffer(buffer, dtype=torch.int32) if len(buffer) else torch.empty(0, dtype=torch.int32)
 
 
 def _common_prefix(a, b):
