@@ -162,6 +162,34 @@ def test_partial_leaf():
     assert len([n for n in sim.cache._nodes() if len(n.tokens) < 4]) == 1
 
 
+def test_copy_failure_leaks_nothing():
+    def broken(src, dst):
+        raise RuntimeError("device out of memory")
+
+    cache = PrefixCache(8, 4, copy_page=broken)
+    cache.finish(cache.start([1, 2, 3, 4, 5, 6]))
+    with pytest.raises(RuntimeError, match="device out of memory"):
+        cache.start([1, 2, 3, 4, 5, 7])  # diverges inside the cached partial page: a copy
+    assert cache.free_pages + len(list(cache._nodes())) == 8 and all(n.refs == 0 for n in cache._nodes())
+
+
+def test_deep_tree():
+    """Requests that are nested prefixes of one sequence: every page held by a different number of
+    requests, so as many runs as requests, merged down to max_levels."""
+    cache = PrefixCache(200, 2)
+    requests = []
+    for i in range(40):
+        r = cache.start(list(range(2 * (i + 1))))
+        cache.publish(r)
+        requests.append(r)
+    for r in requests:
+        cache.append(r, [99])
+    for max_levels in range(1, 9):
+        check_plans(cache, requests, max_levels)
+    rng = random.Random(0)
+    check_plans(cache, rng.sample(requests, 17), 3)
+
+
 def test_eviction_and_exhaustion():
     sim = Simulated(4, 2)
     a = sim.start([1, 2, 3, 4])

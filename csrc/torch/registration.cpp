@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <exception>
+#include <new>
 #include <vector>
 
 #include "flashkern/attention_plan.h"
@@ -87,15 +89,27 @@ static PyObject* plan_prefix(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "KLLKLKKLKi", &prev, &num_pages, &page_size, &slots, &n, &slot_last, &slot_tokens,
                         &num_slots, &qo, &max_levels))
     return nullptr;
+  if (n < 0 || num_slots < 0 || num_pages < 0) {
+    PyErr_SetString(PyExc_ValueError, "negative sizes");
+    return nullptr;
+  }
   std::vector<int32_t> last;
   std::vector<int64_t> tokens;
   fk::PrefixPlan plan;
-  plan.error = fk::gather_requests(reinterpret_cast<const int32_t*>(slots), n, reinterpret_cast<const int32_t*>(slot_last),
-                                   reinterpret_cast<const int64_t*>(slot_tokens), num_slots, last, tokens);
-  if (plan.error.empty()) {
-    const fk::PrefixPlanInput in{reinterpret_cast<const int32_t*>(prev), num_pages, page_size, last.data(),
-                                 tokens.data(), reinterpret_cast<const int32_t*>(qo), n};
-    plan = kCascade ? fk::plan_prefix_cascade(in, max_levels) : fk::plan_prefix_decode(in);
+  try {
+    plan.error = fk::gather_requests(reinterpret_cast<const int32_t*>(slots), n,
+                                     reinterpret_cast<const int32_t*>(slot_last),
+                                     reinterpret_cast<const int64_t*>(slot_tokens), num_slots, last, tokens);
+    if (plan.error.empty()) {
+      const fk::PrefixPlanInput in{reinterpret_cast<const int32_t*>(prev), num_pages, page_size, last.data(),
+                                   tokens.data(), reinterpret_cast<const int32_t*>(qo), n};
+      plan = kCascade ? fk::plan_prefix_cascade(in, max_levels) : fk::plan_prefix_decode(in);
+    }
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
   }
   if (!plan.error.empty()) {
     PyErr_SetString(PyExc_ValueError, plan.error.c_str());

@@ -213,13 +213,14 @@ class PrefixCache:
                 shared, source = common, child
         try:
             request.own = self.allocate(max(needed, 1 if shared else 0))
-        except RuntimeError:
+            if shared and self.copy_page is not None:
+                self.copy_page(source.page, request.own[0])
+        except BaseException:  # out of pages, or the copy failed: nothing held, nothing leaked
+            self._free.extend(reversed(request.own))
             for n in request.path:
                 n.refs -= 1
             raise
         if shared:
-            if self.copy_page is not None:
-                self.copy_page(source.page, request.own[0])
             request.cached_tokens += shared
             source.last_use = self._clock
         if self._free_slots:

@@ -18,6 +18,10 @@
 // Cost: each page of the batch's tree is walked once (a request's walk stops at the first page an
 // earlier request walked), so planning is linear in the tree's pages plus the plan's output, not in
 // the pages every request reads: the decode table copies shared prefixes it has written already.
+// Levels hold only their groups with pages, a group's pages are a list shared with the levels it was
+// merged from, and a merge recomputes the costs of its two neighbouring pairs only: a tree as deep
+// as the batch is large (requests that are nested prefixes of one another) plans in O(n^2), the
+// size of its plan, not O(n^3).
 #pragma once
 
 #include <algorithm>
@@ -107,11 +111,15 @@ class Tree {
 
   std::string walk() {
     const int64_t ps = in.page_size;
-    if (ps < 1) return "page_size must be positive";
+    if (ps < 1 || ps > std::numeric_limits<int32_t>::max()) return "page_size must be between 1 and 2^31 - 1";
     start.assign(in.n + 1, 0);
     for (int64_t r = 0; r < in.n; ++r) {
-      if (in.num_tokens[r] < 0) return "request " + std::to_string(r) + " has a negative token count";
-      start[r + 1] = start[r] + (in.num_tokens[r] + ps - 1) / ps;
+      const int64_t tokens = in.num_tokens[r], pages = tokens / ps + (tokens % ps != 0);
+      if (tokens < 0 || pages > in.num_pages)
+        return "request " + std::to_string(r) + " has " + std::to_string(tokens) + " tokens: not a page table of this pool";
+      if (in.qo_lens != nullptr && in.qo_lens[r] < 0)
+        return "request " + std::to_string(r) + " has a negative query length";
+      start[r + 1] = start[r] + pages;
     }
     if (start[in.n] > std::numeric_limits<int32_t>::max()) return "the batch holds more than 2^31 - 1 pages";
     walk_start.assign(1, 0);
@@ -184,37 +192,90 @@ inline int32_t last_page_len(const PrefixPlanInput& in, int64_t r, int64_t pages
   return int32_t(in.num_tokens[r] - (pages - 1) * in.page_size);
 }
 
-// A level while planning: groups of adjacent requests (in layout order) and each group's pages.
-struct Level {
-  std::vector<int32_t> group_start;  // [groups + 1] positions in the layout order
-  std::vector<int64_t> page_start;   // [groups + 1]
-  std::vector<int32_t> pages;
-  int64_t groups() const { return int64_t(group_start.size()) - 1; }
+// The pages of a group while planning: a chain segment (the pages from `bottom` up to the page below
+// `above`) or the concatenation of two lists, so that a merge shares its levels' lists instead of
+// copying their pages; they are written out once, at the end.
+struct PageList {
+  int32_t first, second;  // concatenation of lists first + second, or -1
+  int32_t above, bottom;  // a chain segment
+  int64_t pages;
 };
 
-// The level with the pages of `upper` in front of those of `lower`, whose groups nest inside upper's.
-inline Level merge(const Level& upper, const Level& lower) {
-  Level m;
-  m.group_start = lower.group_start;
-  m.page_start.assign(1, 0);
-  int64_t u = 0;
-  for (int64_t g = 0; g < lower.groups(); ++g) {
-    while (upper.group_start[u + 1] <= lower.group_start[g]) ++u;
-    m.pages.insert(m.pages.end(), upper.pages.begin() + upper.page_start[u], upper.pages.begin() + upper.page_start[u + 1]);
-    m.pages.insert(m.pages.end(), lower.pages.begin() + lower.page_start[g], lower.pages.begin() + lower.page_start[g + 1]);
-    m.page_start.push_back(int64_t(m.pages.size()));
+struct PageLists {
+  std::vector<PageList> lists;
+  int32_t segment(int32_t above, int32_t bottom, int64_t pages) {
+    lists.push_back({-1, -1, above, bottom, pages});
+    return int32_t(lists.size() - 1);
   }
-  return m;
+  int32_t concat(int32_t a, int32_t b) {
+    lists.push_back({a, b, -1, -1, lists[a].pages + lists[b].pages});
+    return int32_t(lists.size() - 1);
+  }
+  void write(std::vector<int32_t>& out, const int32_t* prev, int32_t list) const {
+    std::vector<int32_t> stack{list};  // depth-first, first before second
+    while (!stack.empty()) {
+      const PageList& l = lists[stack.back()];
+      stack.pop_back();
+      if (l.first >= 0) {
+        stack.push_back(l.second);
+        stack.push_back(l.first);
+      } else {
+        append_chain(out, prev, l.above, l.bottom);
+      }
+    }
+  }
+};
+
+// A level while planning: its groups that have pages, in layout order; every request outside them
+// is a group of its own without pages at this level. A level's groups nest inside the upper level's.
+struct Group {
+  int32_t begin, end;  // positions in the layout order
+  int32_t list;        // PageLists index
+};
+using Level = std::vector<Group>;
+
+// Calls f(lower group or a position of upper's group that no lower group covers, the upper group
+// around it or nullptr) for the groups of merge(upper, lower), in order.
+template <typename F>
+void for_each_merged(const Level& upper, const Level& lower, F&& f) {
+  size_t u = 0, g = 0;
+  while (u < upper.size() || g < lower.size()) {
+    if (u < upper.size() && (g == lower.size() || upper[u].begin < lower[g].end)) {
+      const Group& up = upper[u];
+      for (int32_t k = up.begin; k < up.end;) {  // up's range: lower groups and uncovered positions
+        if (g < lower.size() && lower[g].begin == k) {
+          f(lower[g], &up);
+          k = lower[g++].end;
+        } else {
+          f(Group{k, k + 1, -1}, &up);
+          ++k;
+        }
+      }
+      ++u;
+    } else {
+      f(lower[g++], nullptr);
+    }
+  }
 }
 
-// Pages read more by merge(upper, lower) than by the two levels: upper's pages once per lower group.
-inline int64_t merge_cost(const Level& upper, const Level& lower) {
-  int64_t added = -int64_t(upper.pages.size()), u = 0;
-  for (int64_t g = 0; g < lower.groups(); ++g) {
-    while (upper.group_start[u + 1] <= lower.group_start[g]) ++u;
-    added += upper.page_start[u + 1] - upper.page_start[u];
-  }
+// Pages read more by merge(upper, lower) than by the two: each upper group's pages once per group
+// of the lower level inside it, less once.
+inline int64_t merge_cost(const PageLists& pl, const Level& upper, const Level& lower) {
+  int64_t added = 0;
+  for (const Group& up : upper) added -= pl.lists[up.list].pages;
+  for_each_merged(upper, lower, [&](const Group&, const Group* up) {
+    if (up != nullptr) added += pl.lists[up->list].pages;
+  });
   return added;
+}
+
+// The level with each upper group's pages in front of the pages of each lower group inside it.
+inline Level merge(PageLists& pl, const Level& upper, const Level& lower) {
+  Level m;
+  for_each_merged(upper, lower, [&](const Group& g, const Group* up) {
+    m.push_back({g.begin, g.end, up == nullptr ? g.list : g.list < 0 ? up->list : pl.concat(up->list, g.list)});
+  });
+  return m;
 }
 
 }  // namespace detail
@@ -293,58 +354,63 @@ inline PrefixPlan plan_prefix_cascade(const PrefixPlanInput& in, int max_levels)
   });
   int64_t depth = 0;
   for (int64_t r = 0; r < n; ++r) depth = std::max(depth, runs(r));
+  detail::PageLists pl;
   std::vector<detail::Level> levels(depth + 1);
-  for (int64_t l = 0; l <= depth; ++l) {
-    detail::Level& level = levels[l];
-    level.page_start.assign(1, 0);
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t r = plan.order[k];
-      const bool own = l == depth, run = !own && l < runs(r);
-      if (run && k > 0 && l < runs(plan.order[k - 1]) && key(plan.order[k - 1], l) == key(r, l)) continue;
-      level.group_start.push_back(int32_t(k));
-      if (run)  // from the run's key down to the page above the next run (or the deepest shared page)
-        detail::append_chain(level.pages, prev, prev[key(r, l)], l + 1 < runs(r) ? prev[key(r, l + 1)] : deepest[r]);
-      else if (own)  // the pages after the deepest shared one
-        detail::append_chain(level.pages, prev, deepest[r], in.last_page[r]);
-      level.page_start.push_back(int64_t(level.pages.size()));
+  for (int32_t k = 0; k < n; ++k) {
+    const int64_t r = plan.order[k];
+    for (int64_t l = 0; l < runs(r); ++l) {  // a run: from its key down to the next run's key, or the deepest shared
+      detail::Level& level = levels[l];
+      if (!level.empty() && level.back().end == k && key(plan.order[k - 1], l) == key(r, l)) {
+        ++level.back().end;
+        continue;
+      }
+      const int32_t bottom = l + 1 < runs(r) ? prev[key(r, l + 1)] : deepest[r];
+      level.push_back({k, k + 1, pl.segment(prev[key(r, l)], bottom, tree.s.depth[bottom] - tree.s.depth[key(r, l)] + 1)});
     }
-    level.group_start.push_back(int32_t(n));
+    if (in.last_page[r] != deepest[r])  // the request's own: the pages after the deepest shared one
+      levels[depth].push_back({k, k + 1, pl.segment(deepest[r], in.last_page[r],
+                                                    tree.s.depth[in.last_page[r]] - (deepest[r] < 0 ? -1 : tree.s.depth[deepest[r]]))});
   }
+  // merge the cheapest adjacent pair until the levels fit; costs kept, the merged pair's neighbours redone
+  std::vector<int64_t> cost(levels.size() > 1 ? levels.size() - 1 : 0);
+  for (size_t l = 0; l < cost.size(); ++l) cost[l] = detail::merge_cost(pl, levels[l], levels[l + 1]);
   while (int64_t(levels.size()) > max_levels) {
-    int64_t best = 0, best_cost = std::numeric_limits<int64_t>::max();
-    for (int64_t l = 0; l + 1 < int64_t(levels.size()); ++l) {
-      const int64_t cost = detail::merge_cost(levels[l], levels[l + 1]);
-      if (cost < best_cost) best = l, best_cost = cost;
-    }
-    levels[best] = detail::merge(levels[best], levels[best + 1]);
+    const size_t best = size_t(std::min_element(cost.begin(), cost.end()) - cost.begin());
+    levels[best] = detail::merge(pl, levels[best], levels[best + 1]);
     levels.erase(levels.begin() + best + 1);
+    cost.erase(cost.begin() + best);
+    if (best > 0) cost[best - 1] = detail::merge_cost(pl, levels[best - 1], levels[best]);
+    if (best < cost.size()) cost[best] = detail::merge_cost(pl, levels[best], levels[best + 1]);
   }
   for (size_t l = 0; l < levels.size(); ++l) {
-    detail::Level& level = levels[l];
     const bool last_level = l + 1 == levels.size();
     PrefixPlanLevel out;
     out.qo_indptr.assign(1, 0);
-    int64_t k = 0, qo = 0;
-    for (int64_t g = 0; g < level.groups(); ++g) {
-      for (; k < level.group_start[g + 1]; ++k) qo += detail::qo_len(in, plan.order[k]);
+    out.kv_indptr.assign(1, 0);
+    int64_t qo = 0;
+    size_t g = 0;
+    for (int32_t k = 0; k < n;) {  // the level's groups, and a group without pages for every other request
+      const bool has = g < levels[l].size() && levels[l][g].begin == k;
+      const int32_t end = has ? levels[l][g].end : k + 1;
+      for (; k < end; ++k) qo += detail::qo_len(in, plan.order[k]);
       if (qo > std::numeric_limits<int32_t>::max()) {
         plan.error = "the batch has more than 2^31 - 1 query tokens";
         return plan;
       }
       out.qo_indptr.push_back(int32_t(qo));
-      const int64_t pages = level.page_start[g + 1] - level.page_start[g];
+      if (has) pl.write(out.kv_indices, prev, levels[l][g++].list);
+      if (out.kv_indices.size() > size_t(std::numeric_limits<int32_t>::max())) {
+        plan.error = "a cascade level holds more than 2^31 - 1 pages";
+        return plan;
+      }
+      const bool pages = int64_t(out.kv_indices.size()) > out.kv_indptr.back();
+      out.kv_indptr.push_back(int32_t(out.kv_indices.size()));
       // a level's last page is full, except in the last level: the request's last page
-      const int64_t r = plan.order[level.group_start[g]];
-      out.last_page_len.push_back(pages == 0     ? 0
-                                  : last_level   ? detail::last_page_len(in, r, tree.start[r + 1] - tree.start[r])
-                                                 : int32_t(in.page_size));
+      const int64_t r = plan.order[end - 1];
+      out.last_page_len.push_back(!pages       ? 0
+                                  : last_level ? detail::last_page_len(in, r, tree.start[r + 1] - tree.start[r])
+                                               : int32_t(in.page_size));
     }
-    if (level.pages.size() > size_t(std::numeric_limits<int32_t>::max())) {
-      plan.error = "a cascade level holds more than 2^31 - 1 pages";
-      return plan;
-    }
-    out.kv_indptr.assign(level.page_start.begin(), level.page_start.end());
-    out.kv_indices = std::move(level.pages);
     plan.levels.push_back(std::move(out));
   }
   return plan;
