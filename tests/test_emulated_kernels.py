@@ -64,7 +64,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
     so = tmp_path_factory.mktemp(f"emu-{backend}") / "libfkemu.so"
     shutil.copyfile(_built[key], so)
     lib = ctypes.CDLL(str(so))
-    P, L, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    P, L, I, F, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_double
     signatures = {  # tests/emu/emu_ops.cpp
         "emu_rmsnorm": [P, P, P, P, L, L, I64, I64, I64, I, I, F, F],
         "emu_rmsnorm_backward": [P, P, P, P, P, L, L, L, I, I, F, F],
@@ -78,6 +78,8 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_sampling": [P, P, P, L, L, P, L, I, L, F, F, L],
         "emu_renorm": [P, P, L, L, I, I, L, F],
         "emu_speculative": [P, P, P, P, P, I, P, P, P, L, I, L, I, I, L],
+        "emu_grad_norm": [P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, F, I, F, I],
+        "emu_adamw": [P, P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, P, D, D, D, F, D, P, I, P, I],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
     lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
@@ -724,6 +726,95 @@ def test_speculative_kernel(attention_lib, mode, batch=3, vocab=1031):
         assert independent[b] == 0 if mode != "chain" else 0 <= independent[b] <= nodes - 1
 
 
+# ---------------------------------------------------------------- the training step
+# The multi-tensor norm and AdamW on every build against ref.optim: ragged sizes (one element, a
+# scalar tail, more than one chunk), 16-byte vectors and an unaligned tensor's scalar path, mixed dtypes.
+
+NORM_KIND = {2.0: 0, 1.0: 1, 3.0: 2, float("inf"): 3}
+OPTIM_SIZES = [1, 7, 4097, 65536 + 3]
+
+
+def optim_tensors(dtypes, seed, scale=1.0):
+    """Gradients of OPTIM_SIZES (the third a view one element into its buffer: unaligned)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (n, dtype) in enumerate(zip(OPTIM_SIZES, dtypes)):
+        t = (torch.randn(n + 1, generator=g) * scale).to(dtype)
+        out.append(t[1:] if i == 2 else t[:n])
+    return out
+
+
+def pointers(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[ptr(t).value if t is not None else None for t in tensors])
+
+
+def optim_shape(tensors):
+    return (i64s(*[t.numel() for t in tensors]), (ctypes.c_int * len(tensors))(*[DTYPE[t.dtype] for t in tensors]),
+            ctypes.c_int64(len(tensors)))
+
+
+@pytest.mark.parametrize("norm_type", list(NORM_KIND))
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_grad_norm_kernel(attention_lib, norm_type, per_tensor):
+    lib = attention_lib
+    grads = optim_tensors([torch.float32, torch.bfloat16, torch.float16, torch.float32], seed=1)
+    n = len(grads)
+    total, norms, found_inf = torch.full((), float("nan")), torch.full((n,), float("nan")), torch.full((), 7.0)
+    coef = torch.full((n if per_tensor else 1,), float("nan"))
+    ok(lib.emu_grad_norm(ptr(total), ptr(norms), ptr(coef), ptr(found_inf), pointers(grads), *optim_shape(grads),
+                         ctypes.c_float(norm_type), NORM_KIND[norm_type], ctypes.c_float(5.0), int(per_tensor)))
+    e_total, e_norms, e_coef, e_inf = ref.optim.grad_norm(grads, norm_type, 5.0, per_tensor)
+    torch.testing.assert_close(total, e_total, rtol=2e-6, atol=0)
+    torch.testing.assert_close(norms, e_norms, rtol=2e-6, atol=0)
+    torch.testing.assert_close(coef, e_coef, rtol=2e-6, atol=0)
+    assert float(found_inf) == float(e_inf) == 0.0
+    grads[3][70000 - 65536 + 1] = float("nan") if norm_type != 1.0 else float("inf")  # in the second chunk
+    ok(lib.emu_grad_norm(ptr(total), ptr(norms), None, ptr(found_inf), pointers(grads), *optim_shape(grads),
+                         ctypes.c_float(norm_type), NORM_KIND[norm_type], ctypes.c_float(0.0), 0))
+    assert not torch.isfinite(total) and float(found_inf) == 1.0
+    assert torch.isfinite(norms[:3]).all() and not torch.isfinite(norms[3])
+
+
+def adamw_state(dtypes, master, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    params = optim_tensors(dtypes, seed)
+    grads = optim_tensors(dtypes, seed + 1, scale=0.1)
+    m = [torch.randn(t.numel(), generator=g) * 0.01 for t in params]
+    v = [torch.rand(t.numel(), generator=g) * 1e-4 for t in params]
+    masters = [p.float() + torch.randn(p.numel(), generator=g) * 1e-3 if master and p.dtype != torch.float32
+               else torch.empty(0) for p in params]
+    steps = [torch.tensor(float(s)) for s in (0, 3, 10, 1)]
+    return params, grads, m, v, masters, steps
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 4, [torch.bfloat16, torch.float16, torch.bfloat16, torch.float32]],
+                         ids=["fp32", "mixed"])
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("clip", [None, "global", "per_tensor"])
+def test_adamw_kernel(attention_lib, dtypes, master, clip):
+    lib = attention_lib
+    params, grads, m, v, masters, steps = adamw_state(dtypes, master)
+    expected = [[t.clone() for t in ts] for ts in (params, m, v, masters, steps)]
+    coef = {None: None, "global": torch.tensor([0.25]), "per_tensor": torch.tensor([1.0, 0.5, 0.125, 0.75])}[clip]
+    lr = torch.tensor(3e-3)
+    ok(lib.emu_adamw(pointers(params), pointers(grads), pointers(m), pointers(v),
+                     pointers([t if t.numel() else None for t in masters]), pointers(steps), *optim_shape(params),
+                     ptr(lr), 0.0, 0.9, 0.999, ctypes.c_float(1e-3), 0.1, ptr(coef),
+                     int(clip == "per_tensor"), None, 0))  # eps 1e-3: comparable to sqrt(v_hat), so it counts
+    e_params, e_m, e_v, e_masters, e_steps = expected
+    ref.optim.adamw(e_params, grads, e_m, e_v, e_masters, e_steps, 3e-3, 0.9, 0.999, 1e-3, 0.1, False, coef,
+                    clip == "per_tensor", None)
+    for got, want in zip(params + m + v + masters + steps, e_params + e_m + e_v + e_masters + e_steps):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)  # fp32 arithmetic in torch's order
+    before = [t.clone() for t in params + m + v + masters + steps]
+    found_inf = torch.tensor(1.0)
+    ok(lib.emu_adamw(pointers(params), pointers(grads), pointers(m), pointers(v),
+                     pointers([t if t.numel() else None for t in masters]), pointers(steps), *optim_shape(params),
+                     None, 1e-3, 0.9, 0.999, ctypes.c_float(1e-8), 0.1, None, 0, ptr(found_inf), 1))
+    for got, want in zip(params + m + v + masters + steps, before):
+        assert torch.equal(got, want)  # skipped: nothing written
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -758,3 +849,5 @@ def test_every_kernel_and_path(attention_lib):
     test_sampling_kernel(lib, "top_k_top_p", 1031, rows=1)  # TSan pays per GPU thread: 1024 a block
     test_renorm_kernel(lib, "top_p_probs", torch.bfloat16, 1024, rows=1)
     test_speculative_kernel(lib, "sample", batch=1, vocab=1024)
+    test_grad_norm_kernel(lib, 2.0, True)
+    test_adamw_kernel(lib, [torch.bfloat16, torch.float16, torch.bfloat16, torch.float32], True, "global")

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "flashkern/attention_plan.h"
+#include "flashkern/ops.h"
 #include "flashkern/prefix_plan.h"
 #include "schemas.h"
 
@@ -172,6 +173,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyModule_AddStringConstant(m, "BACKEND", FLASHKERN_BACKEND);  // "cuda", "hip" or "cpu"
   PyModule_AddStringConstant(m, "ARCHS", FLASHKERN_ARCHS);      // e.g. "80;90" or "gfx90a;gfx942"
   PyModule_AddIntConstant(m, "MAX_LEVELS", fk::kMaxLevels);     // attention levels (kv_indices per launch)
+  PyModule_AddIntConstant(m, "OPTIM_TABLE_ENTRY_BYTES", int(sizeof(fk::OptimTensor)));  // grad_norm, adamw tables
+  PyModule_AddIntConstant(m, "OPTIM_CHUNK", int(fk::kOptimChunk));
   PyModule_AddObject(m, "KIND_ROWS", Py_BuildValue("(iii)", fk::kind_rows(fk::AttentionKind::decode),
                                                    fk::kind_rows(fk::AttentionKind::tile16),
                                                    fk::kind_rows(fk::AttentionKind::tile64)));

@@ -66,6 +66,24 @@ inline void define_schemas(torch::Library& m) {
       "speculative(Tensor target, Tensor? draft, Tensor candidates, int first_candidate, Tensor? parents, str mode, "
       "Tensor? seed_arr, int seed, Tensor? offset_arr, int offset) "
       "-> (Tensor tokens, Tensor nodes, Tensor num_accepted, Tensor independent_accepted)");
+  // The gradient norm of many tensors at once (kernels/optim.cuh): the p-norm over all their elements
+  // (norm_type 1, 2, any p > 0 or inf), each tensor's norm, with a max_norm the clip coefficients
+  // min(1, max_norm / (norm + 1e-6)) of the total ([1]) or of each tensor (per_tensor; else [0]), and
+  // found_inf (1.0 when the total is not finite). table / table_host: the device table of the
+  // tensors' addresses (_C.OPTIM_TABLE_ENTRY_BYTES a tensor) and its host copy, rewritten only when
+  // an address changes, which allow_upload=False (a CUDA graph being captured) makes an error.
+  m.def(
+      "grad_norm(Tensor[] tensors, float norm_type, float? max_norm, bool per_tensor, Tensor(a!) table, "
+      "Tensor(b!) table_host, bool allow_upload=True) "
+      "-> (Tensor total_norm, Tensor tensor_norms, Tensor clip_coef, Tensor found_inf)");
+  // AdamW over many tensors (ops.h: AdamWParams), in place: params, exp_avgs and exp_avg_sqs (float32),
+  // masters (none, or one per param: a float32 master copy, or an empty tensor for none) and steps
+  // (float32 [1] each); each grad times clip_coef ([1], or one per tensor); found_inf != 0 skips all.
+  m.def(
+      "adamw(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool maximize, Tensor? clip_coef, bool per_tensor_clip, Tensor? found_inf, "
+      "Tensor(f!) table, Tensor(g!) table_host, bool allow_upload=True) -> ()");
 }
 
 }  // namespace flashkern

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "flashkern/ops.h"
 
@@ -138,6 +139,54 @@ const char* emu_sampling(int32_t* out, bool* valid, const float* probs, int64_t 
   p.filter = fk::SampleFilter(filter);
   p.rng.seed = seed, p.rng.seed_len = p.rng.offset_len = 1;
   return fk::launch_sampling(p, nullptr);
+}
+
+// The table of n tensors (arrays of n host pointers; params, exp_avg, exp_avg_sq, masters and steps may be
+// null arrays, a masters entry null) for the multi-tensor launches, 16-byte vectors where all are aligned.
+static std::vector<fk::OptimTensor> optim_table(void** params, const void** grads, float** m, float** v, float** masters,
+                                                float** steps, const int64_t* numel, const int* dtype, int64_t n) {
+  std::vector<fk::OptimTensor> table(n);
+  int64_t chunk = 0;
+  auto aligned = [](const void* p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  for (int64_t i = 0; i < n; ++i) {
+    fk::OptimTensor& e = table[i];
+    e.param = params ? params[i] : nullptr, e.grad = grads[i];
+    e.exp_avg = m ? m[i] : nullptr, e.exp_avg_sq = v ? v[i] : nullptr, e.master = masters ? masters[i] : nullptr;
+    e.step = steps ? steps[i] : nullptr;
+    e.numel = numel[i], e.chunk_begin = chunk, e.dtype = dtype[i];
+    e.wide = aligned(e.param) && aligned(e.grad) && aligned(e.exp_avg) && aligned(e.exp_avg_sq) && aligned(e.master);
+    chunk += fk::optim_chunks(numel[i]);
+  }
+  return table;
+}
+
+// total [], norms [n], coef [1] or [n] (or null: no clipping), found_inf []; kind: NormKind
+const char* emu_grad_norm(float* total, float* norms, float* coef, float* found_inf, const void** grads,
+                          const int64_t* numel, const int* dtype, int64_t n, float norm_type, int kind, float max_norm,
+                          int per_tensor) {
+  const std::vector<fk::OptimTensor> table = optim_table(nullptr, grads, nullptr, nullptr, nullptr, nullptr, numel, dtype, n);
+  const int64_t chunks = n ? table.back().chunk_begin + fk::optim_chunks(table.back().numel) : 0;
+  std::vector<float> partials(chunks);
+  fk::GradNormParams p{};
+  p.table = table.data(), p.tensors = n, p.chunks = chunks, p.partials = partials.data();
+  p.total_norm = total, p.tensor_norms = norms, p.clip_coef = coef, p.found_inf = found_inf;
+  p.max_norm = max_norm, p.norm_type = norm_type, p.kind = fk::NormKind(kind), p.per_tensor = per_tensor != 0;
+  return fk::launch_grad_norm(p, nullptr);
+}
+
+const char* emu_adamw(void** params, const void** grads, float** m, float** v, float** masters, float** steps,
+                      const int64_t* numel, const int* dtype, int64_t n, const float* lr_ptr, double lr, double beta1,
+                      double beta2, float eps, double weight_decay, const float* clip, int per_tensor,
+                      const float* found_inf, int maximize) {
+  const std::vector<fk::OptimTensor> table = optim_table(params, grads, m, v, masters, steps, numel, dtype, n);
+  fk::AdamWParams p{};
+  p.table = table.data(), p.tensors = n;
+  p.chunks = n ? table.back().chunk_begin + fk::optim_chunks(table.back().numel) : 0;
+  p.lr_ptr = lr_ptr, p.lr = lr, p.beta1 = beta1, p.beta2 = beta2, p.beta2_f = float(beta2);
+  p.one_minus_beta1 = float(1.0 - beta1), p.one_minus_beta2 = float(1.0 - beta2), p.eps = eps;
+  p.weight_decay = weight_decay, p.clip_coef = clip, p.found_inf = found_inf;
+  p.per_tensor_clip = per_tensor != 0, p.maximize = maximize != 0;
+  return fk::launch_adamw(p, nullptr);
 }
 
 // in and out [rows, vocab] contiguous; kind: RenormKind

@@ -244,6 +244,64 @@ struct SpeculativeParams {
   RandomSource rng;
 };
 
+// ---- a training step: multi-tensor gradient norm and AdamW (kernels/optim.cuh) ----
+
+// One tensor of a multi-tensor launch: an entry of the device table the launches read, rewritten by
+// the glue only when an address changes (not every step). A tensor is cut into chunks of
+// kOptimChunk elements, one block each: its chunks are chunk_begin .. chunk_begin + optim_chunks(numel).
+struct OptimTensor {
+  void* param;         // [numel] dtype (AdamW)
+  const void* grad;    // [numel] dtype
+  float* exp_avg;      // [numel] fp32 (AdamW)
+  float* exp_avg_sq;   // [numel] fp32 (AdamW)
+  float* master;       // [numel] fp32 master copy of a 16-bit param, or nullptr (AdamW)
+  float* step;         // [] fp32 steps taken (AdamW)
+  int64_t numel;
+  int64_t chunk_begin;
+  int32_t dtype;       // DType of param and grad
+  int32_t wide;        // every pointer on a 16-byte boundary: 16-byte vectors
+};
+inline constexpr int64_t kOptimChunk = 65536;
+FK_HOST_DEVICE int64_t optim_chunks(int64_t numel) { return (numel + kOptimChunk - 1) / kOptimChunk; }
+
+// The p-norm of the gradients of all tensors taken together (the norm of their norms, as
+// torch.nn.utils.clip_grad_norm_), each tensor's norm and the clip coefficients
+// min(1, max_norm / (norm + 1e-6)) of the total or of each tensor. Sums of one chunk in fp32, of the
+// chunks in fp64, always in the same order (the same result run to run).
+enum class NormKind : int { l2 = 0, l1 = 1, lp = 2, linf = 3 };
+
+struct GradNormParams {
+  const OptimTensor* table;  // [tensors], device
+  int64_t tensors, chunks;
+  float* partials;           // [chunks] workspace
+  float* total_norm;         // []
+  float* tensor_norms;       // [tensors]
+  float* clip_coef;          // [1], or [tensors] with per_tensor; nullptr: no clipping
+  float* found_inf;          // []: 1 when the total norm is not finite, else 0
+  float max_norm, norm_type;
+  NormKind kind;
+  bool per_tensor;
+};
+
+// torch.optim.AdamW's update in fp32 (decoupled weight decay, bias correction, eps added to
+// sqrt(v_hat)) of every tensor, with the gradient times its clip coefficient; the step taken is each
+// tensor's step + 1, stored back. A nonzero found_inf skips everything (params, state and steps).
+struct AdamWParams {
+  const OptimTensor* table;  // [tensors], device
+  int64_t tensors, chunks;
+  const float* lr_ptr;       // [] device learning rate, or nullptr: lr
+  double lr;
+  double beta1, beta2;       // the bias corrections (double, as torch's host code)
+  float beta2_f, one_minus_beta1, one_minus_beta2, eps;  // the update (fp32 scalars, as torch's tensor ops)
+  double weight_decay;
+  const float* clip_coef;    // nullptr, [1] or [tensors] (per_tensor_clip)
+  const float* found_inf;    // nullptr or []
+  bool per_tensor_clip, maximize;
+};
+
+const char* launch_grad_norm(const GradNormParams& p, void* stream);
+const char* launch_adamw(const AdamWParams& p, void* stream);
+
 const char* launch_rmsnorm(const RmsnormParams& p, void* stream);
 size_t rmsnorm_backward_workspace_bytes(const RmsnormBackwardParams& p);
 const char* launch_rmsnorm_backward(const RmsnormBackwardParams& p, void* stream);
