@@ -178,7 +178,7 @@ FLASHINFER = {
 }
 
 # flashkern's public names that FlashInfer does not have (so not in the table).
-FLASHKERN_ONLY = {"act_mul", "check", "cos_sin_cache", "get_backend", "info", "ref", "rope_frequencies",
+FLASHKERN_ONLY = {"act_mul", "check", "clip_grad_norm_", "cos_sin_cache", "get_backend", "info", "ref", "rope_frequencies",
                   "rope_frequencies_from_config", "set_backend"}
 
 P = inspect.Parameter

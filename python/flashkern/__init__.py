@@ -36,6 +36,8 @@ from .rope import (
 )
 from .rope_scaling import cos_sin_cache, rope_frequencies, rope_frequencies_from_config
 from . import spec  # noqa: E402  (flashkern.spec: tree masks, positions and verification)
+from . import optim  # noqa: E402  (flashkern.optim: AdamW, clip_grad_norm_)
+from .optim import clip_grad_norm_
 from .sampling import (
     chain_speculative_sampling,
     min_p_sampling_from_probs,
@@ -70,6 +72,7 @@ __all__ = [
     "apply_rope_with_cos_sin_cache_inplace",
     "chain_speculative_sampling",
     "check",
+    "clip_grad_norm_",
     "cos_sin_cache",
     "fused_add_rmsnorm",
     "gelu_and_mul",

@@ -420,3 +420,90 @@ def check_speculative(target, draft, candidates, first_candidate, parents, mode,
         if parents.shape[-1] > 1 and parents.stride(-1) != 1:
             raise ValueError(f"{op}: parents must be contiguous in its last dimension")
     check_random(op, target, batch, seed_arr, offset_arr)
+
+
+# ---- the training step (csrc/torch/glue/optim.h makes the same checks) ----
+
+
+def _check_listed(op, lst, i, t, ref):
+    check_tensor(op, f"{lst}[{i}]", t)
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {lst}[{i}] is sparse; sparse gradients are not supported")
+    if t.device != ref.device:
+        raise ValueError(f"{op}: {lst}[{i}] is on {t.device} but {lst}[0] is on {ref.device} (one device per call)")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {lst}[{i}] must be contiguous")
+
+
+def _check_fp32_like(op, lst, i, t, param):
+    _check_listed(op, lst, i, t, param)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: {lst}[{i}] must be torch.float32, got {t.dtype}")
+    if t.numel() != param.numel():
+        raise ValueError(f"{op}: {lst}[{i}] must have {param.numel()} elements (its parameter's), got {t.numel()}")
+
+
+def _check_scalar(op, name, t, ref, numel=1):
+    check_tensor(op, name, t)
+    if t.device != ref.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but the tensors are on {ref.device}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be torch.float32, got {t.dtype}")
+    if t.numel() != numel or not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be a contiguous tensor of {numel} element(s), got shape {tuple(t.shape)}")
+
+
+def _check_table(op, table, table_host, ref, entries):
+    need = entries * _C.OPTIM_TABLE_ENTRY_BYTES
+    if table.dtype != torch.uint8 or not table.is_contiguous() or table.numel() < need or table.device != ref.device:
+        raise ValueError(f"{op}: table must be a contiguous torch.uint8 tensor of at least {need} bytes on {ref.device}")
+    if (table_host.dtype != torch.uint8 or not table_host.is_contiguous() or table_host.numel() < need
+            or table_host.device.type != "cpu"):
+        raise ValueError(f"{op}: table_host must be a contiguous torch.uint8 CPU tensor of at least {need} bytes")
+
+
+def check_grad_norm(tensors, norm_type, table, table_host):
+    op = "grad_norm"
+    if len(tensors) == 0:
+        raise ValueError(f"{op}: no tensors")
+    if not norm_type > 0:
+        raise ValueError(f"{op}: norm_type must be positive or inf, got {norm_type}")
+    for i, t in enumerate(tensors):
+        _check_listed(op, "tensors", i, t, tensors[0])
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: tensors[{i}] must be float16, bfloat16 or float32, got {t.dtype}")
+    _check_table(op, table, table_host, tensors[0], len(tensors))
+
+
+def check_adamw(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, clip_coef, per_tensor_clip,
+                found_inf, table, table_host):
+    op = "adamw"
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n and len(masters) in (0, n)):
+        raise ValueError(f"{op}: params, grads, exp_avgs, exp_avg_sqs and steps (and masters, unless empty) must be "
+                         "lists of the same length")
+    if n == 0:
+        return
+    ref = params[0]
+    for i, p in enumerate(params):
+        _check_listed(op, "params", i, p, ref)
+        if p.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: params[{i}] must be float16, bfloat16 or float32, got {p.dtype}")
+        _check_listed(op, "grads", i, grads[i], ref)
+        if grads[i].dtype != p.dtype:
+            raise TypeError(f"{op}: grads[{i}] must have its parameter's dtype ({p.dtype}), got {grads[i].dtype}")
+        if grads[i].shape != p.shape:
+            raise ValueError(f"{op}: grads[{i}] must have its parameter's shape {tuple(p.shape)}, got "
+                             f"{tuple(grads[i].shape)}")
+        _check_fp32_like(op, "exp_avgs", i, exp_avgs[i], p)
+        _check_fp32_like(op, "exp_avg_sqs", i, exp_avg_sqs[i], p)
+        if masters and masters[i].numel() > 0:
+            _check_fp32_like(op, "masters", i, masters[i], p)
+        _check_scalar(op, "steps[i]", steps[i], ref)
+    if lr_tensor is not None:
+        _check_scalar(op, "lr", lr_tensor, ref)
+    if clip_coef is not None:
+        _check_scalar(op, "clip_coef", clip_coef, ref, n if per_tensor_clip else 1)
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, ref)
+    _check_table(op, table, table_host, ref, n)

@@ -10,6 +10,7 @@ from .attention import batch_attention, batch_decode, cascade_decode, decode_att
 from .norm import fused_add_rmsnorm, rmsnorm, rmsnorm_backward
 from .rope import rope
 from . import sampling  # noqa: E402  (ref.sampling.sampling, .renorm, .speculative, .kept)
+from . import optim  # noqa: E402  (ref.optim.grad_norm, .adamw)
 
 __all__ = [
     "act_and_mul",

@@ -1,0 +1,281 @@
+"""The training step: AdamW with the gradients' global-norm clipping fused in, and clip_grad_norm_,
+on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
+
+- ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, max_grad_norm=None,
+  norm_type=2.0, clip="global", master_weights=False, error_if_nonfinite=False)`` (torch's arguments,
+  then this one's):
+  a torch.optim.Optimizer whose update is torch.optim.AdamW's (decoupled weight decay, bias
+  correction, eps added to sqrt(v_hat)) after torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+  when max_grad_norm is set, or, with ``clip="per_tensor"``, after clipping each tensor by its own
+  norm. One step is a norm launch (partials per chunk, one reduction block) and one AdamW launch per
+  param group: each gradient is read twice, each parameter and moment once, the host never waits.
+  The gradients themselves are not modified (torch's clip_grad_norm_ scales them in place).
+- State: ``step`` (a float32 tensor on the parameter's device), ``exp_avg`` and ``exp_avg_sq`` in
+  float32 for every parameter dtype (16-bit moments underflow: eps = 1e-8 is below float16's range
+  and a tiny v_hat turns into a huge update), and with ``master_weights=True`` a float32
+  ``master_param`` for each 16-bit parameter, rounded to nearest even into the parameter after each
+  step. Without master weights a 16-bit parameter is updated in float32 and rounded each step, so
+  updates smaller than half its spacing are lost. ``state_dict()`` has torch AdamW's keys: a
+  checkpoint loads into either optimizer (torch casts the moments to the parameter's dtype; this
+  one keeps float32).
+- A non-finite gradient norm (only computed with max_grad_norm) skips the step on the device:
+  parameters, state and steps are untouched, and ``optimizer.found_inf`` (a float32 device tensor,
+  1.0) says so; ``optimizer.grad_norm`` is the total norm before clipping. With
+  ``error_if_nonfinite=True`` the step waits for the norm and raises RuntimeError (a host sync).
+- ``lr`` may be a float32 tensor on the parameters' device (read by the kernel: a captured step
+  follows a scheduler that writes it). A whole step can be captured in a CUDA graph once a first
+  step has run (the tensors' address table is uploaded when addresses change, not each step).
+- Parameters of float32, float16 and bfloat16, mixed within a group; all on one device; dense
+  gradients (sparse ones raise ValueError); parameters without a gradient are skipped, as in torch.
+  ``amsgrad`` and ``differentiable`` are not supported (ValueError).
+"""
+
+import functools
+
+import torch
+
+from . import _backend, _C, ref
+from ._validate import check_adamw, check_grad_norm
+
+_ops = torch.ops.flashkern
+_ENTRY = _C.OPTIM_TABLE_ENTRY_BYTES
+
+
+class _Table:
+    """A device table of tensor addresses and its host copy (the op rewrites them when an address
+    changes, never while a CUDA graph is being captured). A table a graph has captured is left to it:
+    the next eager step gets a new one, so a replay keeps reading the addresses it was captured with."""
+
+    def __init__(self):
+        self.device = self.host = None
+        self.captured = False
+
+    def get(self, entries, device):
+        """(table, table_host, allow_upload) for an op over `entries` tensors on `device`."""
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        need = max(entries, 1) * _ENTRY
+        if (self.device is None or self.device.device != device or self.device.numel() < need
+                or (self.captured and not capturing)):
+            self.device = torch.zeros(need, dtype=torch.uint8, device=device)
+            self.host = torch.zeros(need, dtype=torch.uint8)
+            self.captured = False
+        self.captured |= capturing
+        return self.device, self.host, not capturing
+
+
+def _one_device(op, tensors):
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: every parameter must be on one device, got {sorted(map(str, devices))}")
+
+
+def _norm_type(op, norm_type):
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"{op}: norm_type must be positive or inf, got {norm_type}")
+    return norm_type
+
+
+def _grad_norm(grads, norm_type, max_norm, per_tensor, table):
+    if _backend.use_reference(grads[0].device):
+        return ref.optim.grad_norm(grads, norm_type, max_norm, per_tensor)
+    return _ops.grad_norm(grads, norm_type, max_norm, per_tensor, *table.get(len(grads), grads[0].device))
+
+
+def _nonfinite_error(norm_type):
+    return RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                        "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                        "anyway, set `error_if_nonfinite=False`")
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, per_tensor=False):
+    """torch.nn.utils.clip_grad_norm_ on the multi-tensor norm kernel: scales the gradients in place
+    by min(1, max_norm / (total_norm + 1e-6)) (computed in float32; max_norm 0 zeroes them, as in
+    torch) and returns the total norm (a device tensor, the gradients' promoted dtype, as torch).
+    ``per_tensor=True`` scales each gradient by its own norm instead (the return value is still the
+    total). norm_type: any p > 0 or inf. ``foreach`` is accepted for torch's signature."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = _norm_type("clip_grad_norm_", norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    _one_device("clip_grad_norm_", grads)
+    total, _, coef, found_inf = _grad_norm(grads, norm_type, float(max_norm), per_tensor, _Table())
+    if error_if_nonfinite and bool(found_inf):
+        raise _nonfinite_error(norm_type)
+    with torch.no_grad():
+        if per_tensor:
+            for g, c in zip(grads, coef):
+                g.mul_(c)
+        else:
+            torch._foreach_mul_(grads, coef[0])
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW with fused gradient clipping, float32 state and optional master weights (the
+    module docstring says how)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, max_grad_norm=None,
+                 norm_type=2.0, clip="global", master_weights=False, error_if_nonfinite=False):
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        elif not lr >= 0.0:
+            raise ValueError(f"AdamW: invalid learning rate {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"AdamW: invalid eps {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamW: invalid betas {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"AdamW: invalid weight_decay {weight_decay}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"AdamW: max_grad_norm must be positive or None, got {max_grad_norm}")
+        if clip not in ("global", "per_tensor"):
+            raise ValueError(f"AdamW: clip must be 'global' or 'per_tensor', got {clip!r}")
+        if amsgrad:
+            raise ValueError("AdamW: amsgrad is not supported")
+        if differentiable:
+            raise ValueError("AdamW: differentiable is not supported")
+        self.max_grad_norm, self.norm_type = max_grad_norm, _norm_type("AdamW", norm_type)
+        self.clip, self.master_weights, self.error_if_nonfinite = clip, master_weights, error_if_nonfinite
+        self.found_inf = self.grad_norm = None
+        self._norm_table, self._tables = _Table(), {}
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
+                        decoupled_weight_decay=True)  # torch's AdamW keys: a checkpoint's groups load into it
+        super().__init__(params, defaults)
+
+    def _init_state(self, p):
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            if self.master_weights and p.dtype != torch.float32:
+                state["master_param"] = p.detach().float().contiguous()
+        return state
+
+    def load_state_dict(self, state_dict):
+        """torch's, then the floating-point state back in float32 (torch casts it to the parameter's
+        dtype) and each step as a float32 tensor on its parameter's device."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params):
+            if i not in saved:
+                continue
+            state = self.state[p]
+            for key in ("exp_avg", "exp_avg_sq", "master_param"):
+                if key in saved[i]:
+                    state[key] = saved[i][key].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+            if not self.master_weights:
+                state.pop("master_param", None)  # it would go stale
+            if "step" in saved[i]:
+                state["step"] = torch.tensor(float(saved[i]["step"]), dtype=torch.float32, device=p.device)
+            if self.master_weights and p.dtype != torch.float32 and "master_param" not in state:
+                state["master_param"] = p.detach().float().contiguous()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = []
+        for group in self.param_groups:
+            if group.get("amsgrad") or group.get("differentiable") or not group.get("decoupled_weight_decay", True):
+                raise ValueError("AdamW: amsgrad, differentiable and coupled weight decay are not supported (a param "
+                                 "group has one set, perhaps from a loaded state_dict)")
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise ValueError("AdamW: sparse gradients are not supported")
+            groups.append((group, params, [self._init_state(p) for p in params]))
+        grads = [p.grad for _, params, _ in groups for p in params]
+        if not grads:
+            return loss
+        _one_device("AdamW", grads)
+        device = grads[0].device
+        coef = found_inf = None
+        per_tensor = self.clip == "per_tensor"
+        if self.max_grad_norm is not None:
+            self.grad_norm, _, coef, found_inf = _grad_norm(grads, self.norm_type, float(self.max_grad_norm),
+                                                            per_tensor, self._norm_table)
+            self.found_inf = found_inf
+            if self.error_if_nonfinite and bool(found_inf):
+                raise _nonfinite_error(self.norm_type)
+        offset = 0
+        for index, (group, params, states) in enumerate(groups):
+            if not params:
+                continue
+            lr = group["lr"]
+            lr_tensor = None
+            if isinstance(lr, torch.Tensor):
+                if lr.device == device:
+                    lr_tensor, lr = lr.reshape(()).float(), 0.0
+                else:
+                    lr = float(lr)
+            masters = [s.get("master_param", _empty(device)) for s in states] if self.master_weights else []
+            group_coef = coef[offset:offset + len(params)] if coef is not None and per_tensor else coef
+            offset += len(params)
+            args = ([p for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states], masters, [s["step"] for s in states], lr_tensor, float(lr),
+                    float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+                    float(group["weight_decay"]), bool(group["maximize"]), group_coef, per_tensor, found_inf)
+            if _backend.use_reference(device):
+                check_adamw(*args[:6], lr_tensor, group_coef, per_tensor, found_inf,
+                            *self._tables.setdefault(index, _Table()).get(len(params), device)[:2])
+                ref.optim.adamw(*args[:6], float(lr_tensor) if lr_tensor is not None else float(lr), *args[8:13],
+                                group_coef, per_tensor, found_inf)
+            else:
+                _ops.adamw(*args, *self._tables.setdefault(index, _Table()).get(len(params), device))
+        return loss
+
+
+@functools.lru_cache(maxsize=None)
+def _empty(device):
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+# ---- the ops' CPU implementations (the reference, or the emulated kernels) and fake functions ----
+
+
+@_backend.register_cpu("grad_norm")
+def _grad_norm_cpu(tensors, norm_type, max_norm, per_tensor, table, table_host, allow_upload=True):
+    check_grad_norm(tensors, norm_type, table, table_host)
+    return ref.optim.grad_norm(tensors, norm_type, max_norm, per_tensor)
+
+
+@_backend.register_cpu("adamw")
+def _adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, lr, beta1, beta2, eps, weight_decay,
+               maximize, clip_coef, per_tensor_clip, found_inf, table, table_host, allow_upload=True):
+    check_adamw(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, clip_coef, per_tensor_clip,
+                found_inf, table, table_host)
+    ref.optim.adamw(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
+                    float(lr_tensor) if lr_tensor is not None else lr, beta1, beta2, eps, weight_decay, maximize,
+                    clip_coef, per_tensor_clip, found_inf)
+
+
+@torch.library.register_fake("flashkern::grad_norm")
+def _grad_norm_fake(tensors, norm_type, max_norm, per_tensor, table, table_host, allow_upload=True):
+    check_grad_norm(tensors, norm_type, table, table_host)
+    t = tensors[0]
+    n = len(tensors)
+    return (t.new_empty((), dtype=torch.float32), t.new_empty((n,), dtype=torch.float32),
+            t.new_empty((n if per_tensor else 1) if max_norm is not None else 0, dtype=torch.float32),
+            t.new_empty((), dtype=torch.float32))
+
+
+@torch.library.register_fake("flashkern::adamw")
+def _adamw_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, lr, beta1, beta2, eps, weight_decay,
+                maximize, clip_coef, per_tensor_clip, found_inf, table, table_host, allow_upload=True):
+    check_adamw(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, clip_coef, per_tensor_clip,
+                found_inf, table, table_host)
+
+
+__all__ = ["AdamW", "clip_grad_norm_"]
