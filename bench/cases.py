@@ -998,3 +998,82 @@ PREFIX_DECODE = [  # the batch through plan_cascade, and through plan_decode (th
     Provider("flashkern", lambda case: (lambda: case.cascade.run(case.q, case.kv)), requires="flashkern"),
     Provider("flashkern (plan_decode)", lambda case: (lambda: case.decode.run(case.q, case.kv)), requires="flashkern"),
 ]
+
+
+# ---------------------------------------------------------------- the training step
+
+OPTIM_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def optim_shapes():
+    """[(label, parameters, tensors)]: one optimizer step over about 200 tensors."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 100_000, 12)]
+    totals = [8_000_000, 128_000_000] + ([1_000_000_000] if BENCH_SET == "full" else [])
+    return [(f"{n // 1_000_000}M params", n, 200) for n in totals]
+
+
+def optim_sizes(total, tensors):
+    """A transformer's mix: a quarter of the tensors are norm weights of 4096 elements, the others share
+    the rest (odd sizes: the last one takes the remainder)."""
+    small = tensors // 4
+    big = tensors - small
+    each = (total - small * 4096) // big
+    return [4096] * small + [each] * (big - 1) + [total - small * 4096 - each * (big - 1)]
+
+
+def optim_bytes(total, dtype):
+    """The least a fused step with global-norm clipping moves: each gradient read twice (the norm before
+    any update), each parameter read and written, and fp32 exp_avg / exp_avg_sq read and written:
+    4 * sizeof(dtype) + 16 bytes a parameter. torch's AdamW keeps 16-bit moments for 16-bit
+    parameters (fewer bytes, and the eps trap); the same count is used for every row."""
+    return total * (4 * (torch.finfo(dtype).bits // 8) + 16)
+
+
+class OptimCase:
+    def __init__(self, seed, total, tensors, dtype):
+        device = "cuda" if GPU else "cpu"
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.params = []
+        for n in optim_sizes(total, tensors):
+            p = torch.nn.Parameter(torch.randn(n, device=device, generator=g).to(dtype))
+            p.grad = (torch.randn(n, device=device, generator=g) * 1e-2).to(dtype)
+            self.params.append(p)
+
+
+def optim_inputs(total, tensors, dtype):
+    return lambda seed: (OptimCase(seed, total, tensors, dtype),)
+
+
+def _flashkern_step(case):
+    opt = _flashkern().optim.AdamW(case.params, lr=1e-4, max_grad_norm=1.0)
+    return opt.step
+
+
+def _torch_step(case):
+    opt = torch.optim.AdamW(case.params, lr=1e-4, fused=True, capturable=GPU)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(case.params, 1.0, foreach=True)
+        opt.step()
+
+    return step
+
+
+def _apex_step(case):
+    from apex.optimizers import FusedAdam
+
+    opt = FusedAdam(case.params, lr=1e-4, adam_w_mode=True, capturable=True)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(case.params, 1.0, foreach=True)
+        opt.step()
+
+    return step
+
+
+OPTIM_STEP = [
+    Provider("flashkern", _flashkern_step, requires="flashkern"),
+    Provider("torch", _torch_step),  # fused AdamW + foreach clip_grad_norm_
+    Provider("apex", _apex_step, "apex.optimizers", True),  # FusedAdam (adam_w_mode) + torch's clip
+]

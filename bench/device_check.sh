@@ -51,10 +51,10 @@ step tests "$OUT/tests.log" 300 $PY -m pytest -q -p no:cacheprovider tests
 # ---- 3 sanitizer: small shapes of every kernel
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 SUBSET=(tests/test_norm.py tests/test_act_and_mul.py tests/test_decode.py tests/test_cascade.py tests/test_prefill.py
-        tests/test_sampling.py tests/test_speculative.py
+        tests/test_sampling.py tests/test_speculative.py tests/test_optim.py
         -q -p no:cacheprovider -k "cuda and (((1-1 or 37-7 or 37-769) and not float32) or head_dims_and_layouts or
         large_groups or three_levels or ragged_prefill or custom_masks or sliding_window or only_kept_tokens or
-        renorm or verify_tree_greedy or chain_flashinfer_example)")
+        renorm or verify_tree_greedy or chain_flashinfer_example or nonfinite_gradient or eps_trap)")
 if [ "$BACKEND" = cuda ] && [ -n "$SANITIZER" ]; then
   step memcheck "$OUT/sanitizer.log" 150 "$SANITIZER" --tool memcheck --error-exitcode 1 $PY -m pytest "${SUBSET[@]}"
   step racecheck "$OUT/sanitizer.log" 150 "$SANITIZER" --tool racecheck --error-exitcode 1 $PY -m pytest "${SUBSET[@]}"
