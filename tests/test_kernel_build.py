@@ -163,6 +163,22 @@ def test_cuda_sampling_ptx(cuda_build, arch):
             assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global store"
 
 
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_cuda_optim_ptx(cuda_build, arch):
+    """The training-step kernels move 16 bytes at a time: the norm's gradient loads, AdamW's loads and
+    stores of the parameter, its moments and master copy."""
+    build, _ = cuda_build
+    entries, names = ptx_of(build, "optim", arch)
+    bodies = {names[m]: b for m, b in entries.items()}
+    for family in ("grad_norm_chunks_kernel", "adamw_kernel"):
+        found = [b for n, b in bodies.items() if is_family(family, n)]
+        assert found, f"no {family} in the PTX"
+        for body in found:
+            assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{family}: no 16-byte global load"
+            if family == "adamw_kernel":
+                assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{family}: no 16-byte global store"
+
+
 ATTENTION_PTX = {  # what each attention kernel must contain: 16-byte copies and loads, the matrix instructions
     "decode_attention_kernel": [r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16", r"ld\.global(\.nc)?\.v4\.u32",
                                 r"st\.global(\.wb)?\.v4"],

@@ -92,6 +92,36 @@ def test_clip_grad_norm_matches_torch(device):
             torch.testing.assert_close(p.grad.double().cpu(), q.grad, rtol=1e-6, atol=1e-9)
 
 
+def test_many_tensors_and_parameters_without_gradients(device):
+    """2000 small tensors in one launch; parameters without a gradient keep their value and get no state."""
+    g = torch.Generator().manual_seed(5)
+    target = torch.empty(0, device=device).device
+    params = [torch.nn.Parameter(torch.randn(3 + i % 5, generator=g).to(target)) for i in range(2000)]
+    reference = [torch.nn.Parameter(p.detach().double().cpu()) for p in params]
+    for i, (p, q) in enumerate(zip(params, reference)):
+        if i % 7 != 3:
+            grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.grad, q.grad = grad.to(device=p.device, dtype=torch.float32), grad
+    ours, theirs = AdamW(params, max_grad_norm=5.0), torch.optim.AdamW(reference, foreach=True)
+    ours.step()
+    torch.nn.utils.clip_grad_norm_(reference, 5.0)
+    theirs.step()
+    torch.testing.assert_close(torch.cat([p.detach().double().cpu() for p in params]),
+                               torch.cat([q.detach() for q in reference]), **FP32_TOL)
+    assert [p in ours.state for p in params] == [i % 7 != 3 for i in range(len(params))]
+
+
+def test_norm_is_the_same_every_run(device):
+    params = make_params(device)
+    for p, g in zip(params, gradients(0, params)):
+        p.grad = g.to(device=device, dtype=torch.float32)
+    grads = [p.grad for p in params]
+    table = flashkern.optim._Table()
+    runs = [flashkern.optim._grad_norm(grads, 2.0, 1.0, False, table) for _ in range(3)]
+    for total, norms, coef, _ in runs[1:]:
+        assert torch.equal(total, runs[0][0]) and torch.equal(norms, runs[0][1]) and torch.equal(coef, runs[0][2])
+
+
 def test_clip_per_tensor(device):
     params = make_params(device)
     grads = gradients(0, params)
@@ -181,7 +211,7 @@ def test_nonfinite_gradient_skips_the_step(device):
 
 def test_norm_beyond_float32_is_nonfinite(device):
     """An l1 norm whose float64 sum is finite but whose float32 value is not: the step is skipped."""
-    params = [torch.nn.Parameter(torch.zeros(200, device=make_params(device)[0].device))]
+    params = [torch.nn.Parameter(torch.zeros(200, device=torch.empty(0, device=device).device))]
     params[0].grad = torch.full_like(params[0], 3e36)
     opt = AdamW(params, max_grad_norm=1.0, norm_type=1.0, weight_decay=0.1)
     opt.step()

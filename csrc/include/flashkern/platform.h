@@ -8,6 +8,9 @@
 //   fk::hw::*, FK_HW_HALF, FK_HW_BF16          16-bit float conversion instructions where the pass
 //                                              has them (numeric.h falls back to bit-exact software)
 //   fk::store16(p, uint4)                      one 16-byte global store
+//   FK_ASSUME_GLOBAL(p)                        p points to global memory: nvcc then emits ld.global /
+//                                              st.global for a pointer read from memory (not a kernel
+//                                              parameter), instead of generic ld / st
 //   fk::trap()                                 abort the kernel
 //   FK_LAUNCH(kernel, grid, block, stream)(args...)
 //   FK_LAUNCH_SMEM(kernel, grid, block, dynamic_shared_bytes, stream)(args...)
@@ -63,6 +66,12 @@
 
 #if (defined(FK_CUDA) && defined(__CUDA_ARCH__)) || (defined(FK_HIP) && defined(__HIP_DEVICE_COMPILE__))
 #define FK_DEVICE_PASS 1
+#endif
+
+#if defined(FK_CUDA) && defined(__CUDA_ARCH__)
+#define FK_ASSUME_GLOBAL(p) __builtin_assume(__isGlobal(p))
+#else
+#define FK_ASSUME_GLOBAL(p) ((void)0)
 #endif
 
 namespace fk {

@@ -81,6 +81,7 @@ FK_DEVICE float clip_coefficient(float max_norm, float norm) {
 template <typename T, NormKind K, bool kWide>
 FK_DEVICE float chunk_norm(const T* g, int64_t n, float p) {
   constexpr int kV = kWide ? kVec16<T> : 1;
+  FK_ASSUME_GLOBAL(g);  // read from the table, not a kernel parameter: ld.global, not a generic ld
   float acc = 0.0f;
   for (int64_t i = int64_t(threadIdx.x) * kV; i < n; i += int64_t(kOptimThreads) * kV) {
     const int m = n - i < kV ? int(n - i) : kV;
@@ -161,7 +162,7 @@ FK_DEVICE AdamWStep adamw_step(const AdamWParams& p, double lr, float step) {
 // torch's lerp: m + w (g - m) for w < 0.5, else g - (g - m)(1 - w)
 FK_DEVICE float torch_lerp(float m, float g, float w) { return w < 0.5f ? m + w * (g - m) : g - (g - m) * (1.0f - w); }
 
-template <typename T, bool kWide>
+template <typename T, bool kWide, bool kMaster>
 FK_DEVICE void adamw_chunk(const AdamWParams& p, const OptimTensor& e, int64_t start, int64_t n, float coef,
                            const AdamWStep& s) {
   constexpr int kV = kWide ? kVec16<T> : 1;
@@ -169,7 +170,12 @@ FK_DEVICE void adamw_chunk(const AdamWParams& p, const OptimTensor& e, int64_t s
   const T* grad = static_cast<const T*>(e.grad) + start;
   float* exp_avg = e.exp_avg + start;
   float* exp_avg_sq = e.exp_avg_sq + start;
-  float* master = e.master != nullptr ? e.master + start : nullptr;
+  float* master = kMaster ? e.master + start : nullptr;
+  FK_ASSUME_GLOBAL(param);  // pointers from the table: ld.global / st.global, not generic accesses
+  FK_ASSUME_GLOBAL(grad);
+  FK_ASSUME_GLOBAL(exp_avg);
+  FK_ASSUME_GLOBAL(exp_avg_sq);
+  if constexpr (kMaster) FK_ASSUME_GLOBAL(master);
   for (int64_t i = int64_t(threadIdx.x) * kV; i < n; i += int64_t(kOptimThreads) * kV) {
     const int m = n - i < kV ? int(n - i) : kV;
     Vec<T, kV> g, w{};
@@ -177,7 +183,7 @@ FK_DEVICE void adamw_chunk(const AdamWParams& p, const OptimTensor& e, int64_t s
     g.load(grad + i, m);
     ma.load(exp_avg + i, m);
     va.load(exp_avg_sq + i, m);
-    if (master != nullptr)
+    if constexpr (kMaster)
       wa.load(master + i, m);
     else
       w.load(param + i, m);
@@ -190,7 +196,7 @@ FK_DEVICE void adamw_chunk(const AdamWParams& p, const OptimTensor& e, int64_t s
       const float mj = torch_lerp(ma.f(j), gj, p.one_minus_beta1);
       const float vj = va.f(j) * p.beta2_f + p.one_minus_beta2 * gj * gj;
       const float denom = sqrtf(vj) / s.bc2_sqrt + p.eps;
-      const float wj = (master != nullptr ? wa.f(j) : w.f(j)) * s.decay + -s.step_size * mj / denom;
+      const float wj = (kMaster ? wa.f(j) : w.f(j)) * s.decay + -s.step_size * mj / denom;
       ma.set(j, mj);
       va.set(j, vj);
       wa.set(j, wj);
@@ -198,9 +204,18 @@ FK_DEVICE void adamw_chunk(const AdamWParams& p, const OptimTensor& e, int64_t s
     }
     ma.store(exp_avg + i, m);
     va.store(exp_avg_sq + i, m);
-    if (master != nullptr) wa.store(master + i, m);
+    if constexpr (kMaster) wa.store(master + i, m);
     w.store(param + i, m);
   }
+}
+
+template <typename T>
+FK_DEVICE void adamw_16bit(const AdamWParams& p, const OptimTensor& e, int64_t start, int64_t n, float coef,
+                           const AdamWStep& s) {
+  if (e.master != nullptr)
+    e.wide ? adamw_chunk<T, true, true>(p, e, start, n, coef, s) : adamw_chunk<T, false, true>(p, e, start, n, coef, s);
+  else
+    e.wide ? adamw_chunk<T, true, false>(p, e, start, n, coef, s) : adamw_chunk<T, false, false>(p, e, start, n, coef, s);
 }
 
 __global__ void __launch_bounds__(kOptimThreads) adamw_kernel(const AdamWParams p) {
@@ -216,13 +231,14 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_kernel(const AdamWParams 
     const AdamWStep s = adamw_step(p, lr, *e.step + 1.0f);  // adamw_steps_kernel stores the step after
     switch (DType(e.dtype)) {
       case DType::f16:
-        e.wide ? adamw_chunk<half_t, true>(p, e, start, n, coef, s) : adamw_chunk<half_t, false>(p, e, start, n, coef, s);
+        adamw_16bit<half_t>(p, e, start, n, coef, s);
         break;
       case DType::bf16:
-        e.wide ? adamw_chunk<bf16_t, true>(p, e, start, n, coef, s) : adamw_chunk<bf16_t, false>(p, e, start, n, coef, s);
+        adamw_16bit<bf16_t>(p, e, start, n, coef, s);
         break;
-      default:
-        e.wide ? adamw_chunk<float, true>(p, e, start, n, coef, s) : adamw_chunk<float, false>(p, e, start, n, coef, s);
+      default:  // an fp32 parameter has no master copy
+        e.wide ? adamw_chunk<float, true, false>(p, e, start, n, coef, s)
+               : adamw_chunk<float, false, false>(p, e, start, n, coef, s);
     }
   }
 }
