@@ -122,6 +122,39 @@ def test_norm_is_the_same_every_run(device):
         assert torch.equal(total, runs[0][0]) and torch.equal(norms, runs[0][1]) and torch.equal(coef, runs[0][2])
 
 
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_norms_of_several_devices_combine(device, per_tensor):
+    """Parameters on several devices: a norm per device, combined. Two parts on one device take the
+    same path as two devices, and give the coefficients of one part."""
+    params = make_params(device)
+    grads = [g.to(device=device, dtype=torch.float32) for g in gradients(0, params)]
+    tables = lambda device, i: flashkern.optim._Table()  # noqa: E731
+    one = flashkern.optim._clip_coefficients([(grads[0].device, grads)], 2.0, 50.0, per_tensor, tables)
+    two = flashkern.optim._clip_coefficients([(grads[0].device, grads[:2]), (grads[0].device, grads[2:])], 2.0, 50.0,
+                                             per_tensor, tables)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-6, atol=0)
+    expected = [one[1][0][:2], one[1][0][2:]] if per_tensor else [one[1][0], one[1][0]]
+    for got, want in zip(two[1], expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert [float(f) for f in two[2]] == [0.0, 0.0]
+
+
+@requires_gpu
+def test_parameters_on_two_devices():
+    """Some parameters on the GPU, some on the CPU, as torch allows: the same steps as torch's."""
+    ours_p = make_params("cpu")[:2] + make_params("cuda")[2:]
+    ref_p = [torch.nn.Parameter(p.detach().double().cpu()) for p in ours_p]
+    ours, theirs = AdamW(ours_p, max_grad_norm=50.0), torch.optim.AdamW(ref_p)
+    for step in range(3):
+        for p, q, g in zip(ours_p, ref_p, gradients(step, ours_p)):
+            p.grad, q.grad = g.to(device=p.device, dtype=torch.float32), g.clone()
+        ours.step()
+        torch.nn.utils.clip_grad_norm_(ref_p, 50.0)
+        theirs.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach().double().cpu(), q.detach(), **FP32_TOL)
+
+
 def test_clip_per_tensor(device):
     params = make_params(device)
     grads = gradients(0, params)

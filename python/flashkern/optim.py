@@ -26,12 +26,15 @@ on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
 - ``lr`` may be a float32 tensor on the parameters' device (read by the kernel: a captured step
   follows a scheduler that writes it). A whole step can be captured in a CUDA graph once a first
   step has run (the tensors' address table is uploaded when addresses change, not each step).
-- Parameters of float32, float16 and bfloat16, mixed within a group; all on one device; dense
-  gradients (sparse ones raise ValueError); parameters without a gradient are skipped, as in torch.
+- Parameters of float32, float16 and bfloat16, mixed within a group; on any devices (each device's
+  gradients get one norm launch; with several devices the norms are combined on the first one's,
+  a host sync, as in torch); dense gradients (sparse ones raise ValueError); parameters without a
+  gradient are skipped, as in torch.
   ``amsgrad`` and ``differentiable`` are not supported (ValueError).
 """
 
 import functools
+import math
 
 import torch
 
@@ -64,12 +67,6 @@ class _Table:
         return self.device, self.host, not capturing
 
 
-def _one_device(op, tensors):
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"{op}: every parameter must be on one device, got {sorted(map(str, devices))}")
-
-
 def _norm_type(op, norm_type):
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -81,6 +78,37 @@ def _grad_norm(grads, norm_type, max_norm, per_tensor, table):
     if _backend.use_reference(grads[0].device):
         return ref.optim.grad_norm(grads, norm_type, max_norm, per_tensor)
     return _ops.grad_norm(grads, norm_type, max_norm, per_tensor, *table.get(len(grads), grads[0].device))
+
+
+def _by_device(grads):
+    """[(device, its gradients in order)], devices in order of first appearance."""
+    out = {}
+    for g in grads:
+        out.setdefault(g.device, []).append(g)
+    return list(out.items())
+
+
+def _clip_coefficients(parts, norm_type, max_norm, per_tensor, tables):
+    """The gradients' total norm over parts [(device, grads)] and, per part, the clip coefficients
+    ([1], or one per gradient) and found_inf. One part: one norm launch. More (parameters on
+    several devices): each part's norm on its device, combined on the first in float64 (moving
+    the scalars is a host sync, as in torch), the coefficients computed there in float32."""
+    if len(parts) == 1:
+        device, grads = parts[0]
+        total, _, coef, found_inf = _grad_norm(grads, norm_type, max_norm, per_tensor, tables(device, 0))
+        return total, [coef], [found_inf]
+    results = [_grad_norm(grads, norm_type, None, per_tensor, tables(device, i)) for i, (device, grads) in
+               enumerate(parts)]
+    first = parts[0][0]
+    totals = torch.stack([r[0].to(first, torch.float64) for r in results])
+    combined = totals.max() if math.isinf(norm_type) else totals.pow(norm_type).sum().pow(1.0 / norm_type)
+    total = combined.float()
+    found_inf = (~torch.isfinite(total)).float()
+    coefs = []
+    for (device, _), (_, norms, _, _) in zip(parts, results):
+        norm = norms if per_tensor else total.to(device).reshape(1)
+        coefs.append((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return total, coefs, [found_inf.to(device) for device, _ in parts]
 
 
 def _nonfinite_error(norm_type):
@@ -101,16 +129,18 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     norm_type = _norm_type("clip_grad_norm_", norm_type)
     if not grads:
         return torch.tensor(0.0)
-    _one_device("clip_grad_norm_", grads)
-    total, _, coef, found_inf = _grad_norm(grads, norm_type, float(max_norm), per_tensor, _Table())
-    if error_if_nonfinite and bool(found_inf):
+    parts = _by_device(grads)
+    total, coefs, found_inf = _clip_coefficients(parts, norm_type, float(max_norm), per_tensor,
+                                                 lambda device, i: _Table())
+    if error_if_nonfinite and bool(found_inf[0]):
         raise _nonfinite_error(norm_type)
     with torch.no_grad():
-        if per_tensor:
-            for g, c in zip(grads, coef):
-                g.mul_(c)
-        else:
-            torch._foreach_mul_(grads, coef[0])
+        for (_, part), coef in zip(parts, coefs):
+            if per_tensor:
+                for g, c in zip(part, coef):
+                    g.mul_(c)
+            else:
+                torch._foreach_mul_(part, coef[0])
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
 
 
@@ -143,7 +173,7 @@ class AdamW(torch.optim.Optimizer):
         self.max_grad_norm, self.norm_type = max_grad_norm, _norm_type("AdamW", norm_type)
         self.clip, self.master_weights, self.error_if_nonfinite = clip, master_weights, error_if_nonfinite
         self.found_inf = self.grad_norm = None
-        self._norm_table, self._tables = _Table(), {}
+        self._norm_tables, self._tables = {}, {}  # address tables by device, by (group, device)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
                         decoupled_weight_decay=True)  # torch's AdamW keys: a checkpoint's groups load into it
@@ -196,45 +226,51 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise ValueError("AdamW: sparse gradients are not supported")
             groups.append((group, params, [self._init_state(p) for p in params]))
-        grads = [p.grad for _, params, _ in groups for p in params]
-        if not grads:
+        parts = _by_device([p.grad for _, params, _ in groups for p in params])
+        if not parts:
             return loss
-        _one_device("AdamW", grads)
-        device = grads[0].device
-        coef = found_inf = None
         per_tensor = self.clip == "per_tensor"
+        part_of = {device: i for i, (device, _) in enumerate(parts)}
+        coefs = found = [None] * len(parts)
         if self.max_grad_norm is not None:
-            self.grad_norm, _, coef, found_inf = _grad_norm(grads, self.norm_type, float(self.max_grad_norm),
-                                                            per_tensor, self._norm_table)
-            self.found_inf = found_inf
-            if self.error_if_nonfinite and bool(found_inf):
+            self.grad_norm, coefs, found = _clip_coefficients(
+                parts, self.norm_type, float(self.max_grad_norm), per_tensor,
+                lambda device, i: self._norm_tables.setdefault(device, _Table()))
+            self.found_inf = found[0]
+            if self.error_if_nonfinite and bool(found[0]):
                 raise _nonfinite_error(self.norm_type)
-        offset = 0
-        for index, (group, params, states) in enumerate(groups):
-            if not params:
-                continue
-            lr = group["lr"]
-            lr_tensor = None
-            if isinstance(lr, torch.Tensor):
-                if lr.device == device:
-                    lr_tensor, lr = lr.reshape(()).float(), 0.0
-                else:
-                    lr = float(lr)
-            masters = [s.get("master_param", _empty(device)) for s in states] if self.master_weights else []
-            group_coef = coef[offset:offset + len(params)] if coef is not None and per_tensor else coef
-            offset += len(params)
-            args = ([p for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states], masters, [s["step"] for s in states], lr_tensor, float(lr),
-                    float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
-                    float(group["weight_decay"]), bool(group["maximize"]), group_coef, per_tensor, found_inf)
-            if _backend.use_reference(device):
-                check_adamw(*args[:6], lr_tensor, group_coef, per_tensor, found_inf,
-                            *self._tables.setdefault(index, _Table()).get(len(params), device)[:2])
-                ref.optim.adamw(*args[:6], float(lr_tensor) if lr_tensor is not None else float(lr), *args[8:13],
-                                group_coef, per_tensor, found_inf)
-            else:
-                _ops.adamw(*args, *self._tables.setdefault(index, _Table()).get(len(params), device))
+        offsets = [0] * len(parts)  # a group's gradients on a device follow the previous group's there
+        for index, (group, all_params, all_states) in enumerate(groups):
+            for device in dict.fromkeys(p.device for p in all_params):
+                i = part_of[device]
+                params = [p for p in all_params if p.device == device]
+                states = [s for p, s in zip(all_params, all_states) if p.device == device]
+                coef = coefs[i][offsets[i]:offsets[i] + len(params)] if coefs[i] is not None and per_tensor else coefs[i]
+                offsets[i] += len(params)
+                self._update(index, group, device, params, states, coef, per_tensor, found[i])
         return loss
+
+    def _update(self, index, group, device, params, states, group_coef, per_tensor, found_inf):
+        """One AdamW launch: the parameters of one group on one device."""
+        lr = group["lr"]
+        lr_tensor = None
+        if isinstance(lr, torch.Tensor):
+            if lr.device == device:
+                lr_tensor, lr = lr.reshape(()).float(), 0.0
+            else:
+                lr = float(lr)
+        masters = [s.get("master_param", _empty(device)) for s in states] if self.master_weights else []
+        args = ([p for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], masters, [s["step"] for s in states], lr_tensor, float(lr),
+                float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+                float(group["weight_decay"]), bool(group["maximize"]), group_coef, per_tensor, found_inf)
+        table = self._tables.setdefault((index, device), _Table())
+        if _backend.use_reference(device):
+            check_adamw(*args[:6], lr_tensor, group_coef, per_tensor, found_inf, *table.get(len(params), device)[:2])
+            ref.optim.adamw(*args[:6], float(lr_tensor) if lr_tensor is not None else float(lr), *args[8:13],
+                            group_coef, per_tensor, found_inf)
+        else:
+            _ops.adamw(*args, *table.get(len(params), device))
 
 
 @functools.lru_cache(maxsize=None)
