@@ -217,6 +217,12 @@ def test_bad_input():
         cache.free([99])
     with pytest.raises(ValueError, match="max_levels"):
         cache.plan_cascade([r], max_levels=9)
+    pages = cache.allocate(2)
+    with pytest.raises(ValueError, match="appears twice"):
+        cache.insert(list(range(8)), [pages[0], pages[0]])  # a page twice in one request
+    with pytest.raises(ValueError, match="held by a running request"):
+        cache.insert(list(range(8)), [pages[0], r.own[0]])
+    assert cache.insert(list(range(8)), pages) == pages and cache.insert(list(range(8)), pages) == pages
     with pytest.raises(ValueError, match="twice"):
         cache.plan_cascade([r, r])
     with pytest.raises(ValueError, match="running"):

@@ -168,8 +168,17 @@ class PrefixCache:
         tokens already cached are freed; returns the cached pages of the prefix (in the tree's copy)."""
         tokens = _token_list("insert", tokens)
         full = len(tokens) // self.page_size
+        pages = list(pages)
         if len(pages) < full:
             raise ValueError(f"PrefixCache.insert: {len(tokens)} tokens need {full} full pages, got {len(pages)}")
+        cached = self.match(tokens)[1]  # re-inserting cached pages as they are is allowed
+        held = ({p for r in self.running for p in r.own} | {n.page for n in self._nodes()} | set(self._free))
+        for i, page in enumerate(pages[:full]):
+            if not (isinstance(page, int) and 0 <= page < self.num_pages) or page in pages[:i]:
+                raise ValueError(f"PrefixCache.insert: page {page!r} is not a page of the pool, or it appears twice")
+            if page in held and not (i < len(cached) and cached[i] == page):
+                raise ValueError(f"PrefixCache.insert: page {page} is free, cached or held by a running request; "
+                                 "insert pages from allocate()")
         node, out = self.root, []
         for i in range(full):
             key = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
