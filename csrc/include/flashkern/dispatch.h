@@ -56,6 +56,21 @@ decltype(auto) with_activation(Activation act, F&& f) {
   }
 }
 
+// The gradient norm kinds of the training step (kernels/optim.cuh).
+template <typename F>
+decltype(auto) with_norm_kind(NormKind kind, F&& f) {
+  switch (kind) {
+    case NormKind::l1:
+      return f(std::integral_constant<NormKind, NormKind::l1>{});
+    case NormKind::lp:
+      return f(std::integral_constant<NormKind, NormKind::lp>{});
+    case NormKind::linf:
+      return f(std::integral_constant<NormKind, NormKind::linf>{});
+    default:
+      return f(std::integral_constant<NormKind, NormKind::l2>{});
+  }
+}
+
 template <typename F>
 decltype(auto) with_bool(bool b, F&& f) {
   if (b) return f(std::true_type{});

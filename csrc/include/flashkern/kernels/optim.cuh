@@ -252,20 +252,6 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_steps_kernel(const AdamWP
 
 // ---- launchers, shared by the CUDA and HIP translation units ----
 
-template <typename F>
-decltype(auto) with_norm_kind(NormKind kind, F&& f) {
-  switch (kind) {
-    case NormKind::l1:
-      return f(std::integral_constant<NormKind, NormKind::l1>{});
-    case NormKind::lp:
-      return f(std::integral_constant<NormKind, NormKind::lp>{});
-    case NormKind::linf:
-      return f(std::integral_constant<NormKind, NormKind::linf>{});
-    default:
-      return f(std::integral_constant<NormKind, NormKind::l2>{});
-  }
-}
-
 inline dim3 optim_grid(int64_t chunks) { return dim3(unsigned(chunks < kMaxBlocks ? chunks : kMaxBlocks)); }
 
 template <int kWarp>
