@@ -23,3 +23,8 @@ def _bench_set():
 def pytest_terminal_summary(terminalreporter):
     if harness.MISSING:
         terminalreporter.write_line("providers not run: " + "; ".join(f"{k} ({v})" for k, v in harness.MISSING.items()))
+
+
+def pytest_collection_modifyitems(config, items):
+    """torch.compile rows last: they compile first, so a run cut short by its time limit loses only them."""
+    items.sort(key=lambda item: "torch.compile" in item.name)

@@ -51,6 +51,11 @@ def pytest_collection_modifyitems(config, items):
     seen = {}
     for item in items:
         device = getattr(item, "callspec", None) and item.callspec.params.get("device")
+        # `-m gpu` selects what needs a GPU: the cuda-parametrized cases and the tests marked requires_gpu
+        if device == "cuda":
+            item.add_marker(pytest.mark.gpu)
+        elif not GPU and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA or ROCm GPU"))
         if getattr(device, "backend", None) != "emulate-wave64" or item.path.name not in WAVE64_SAMPLED:
             continue
         k = seen[item.path.name] = seen.get(item.path.name, -1) + 1
@@ -107,7 +112,7 @@ def assert_close(actual, expected, dtype=None):
     torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), **tolerance(dtype), equal_nan=False)
 
 
-requires_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+requires_gpu = pytest.mark.gpu  # a GPU-only test: skipped without one, selected by `pytest -m gpu`
 
 
 def pytest_make_parametrize_id(config, val, argname):

@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,15 +25,43 @@ def test_info_describes_the_build():
     data = flashkern.info()
     assert data["built_backend"] in ("cuda", "hip", "cpu")
     assert data["torch"] == torch.__version__
+    archs = data["built_archs"]
     if data["built_backend"] == "cuda":
-        assert any(a.startswith("80") for a in data["built_archs"]) and any(a.startswith("90") for a in data["built_archs"])
+        assert archs and all(re.fullmatch(r"\d{2,3}[af]?(-real|-virtual)?", a) for a in archs), archs  # CMake syntax
         assert set(data["warp_sizes"].values()) == {32}
+        if GPU:
+            assert _cuda_build_covers(archs, torch.cuda.get_device_capability(0)), (archs, torch.cuda.get_device_capability(0))
+    elif data["built_backend"] == "hip":
+        assert archs and all(re.fullmatch(r"gfx[0-9a-f]{3,4}(:[a-z+-:]+)?", a) for a in archs), archs
+        if GPU:
+            assert torch.cuda.get_device_properties(0).gcnArchName.split(":")[0] in [a.split(":")[0] for a in archs]
     cpu = data["devices"][0]
     assert cpu["device"] == "cpu" and cpu["backend"] == "reference"
     assert set(data["ops"]) >= {"rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "silu_and_mul", "gelu_and_mul"}
     assert all(where["cpu"] == "reference" for where in data["ops"].values())
     if GPU:
         assert data["devices"][1]["backend"] == data["built_backend"]
+
+
+def _cuda_build_covers(archs, capability):
+    """Whether CMake architectures `archs` hold code a GPU of `capability` runs: machine code of its major
+    version and a minor version at most its own, or PTX (a virtual architecture) of at most its version."""
+    major, minor = capability
+    for arch in archs:
+        number, _, kind = arch.partition("-")
+        a_major, a_minor = int(number.rstrip("af")[:-1]), int(number.rstrip("af")[-1])
+        if kind != "virtual" and a_major == major and a_minor <= minor and not number.endswith(("a", "f")):
+            return True
+        if kind != "real" and (a_major, a_minor) <= (major, minor):
+            return True
+    return False
+
+
+def test_cuda_build_covers():
+    assert _cuda_build_covers(["80-real", "90"], (9, 0)) and _cuda_build_covers(["90-real"], (9, 0))
+    assert _cuda_build_covers(["80-real"], (8, 6)) and _cuda_build_covers(["80"], (12, 0))
+    assert not _cuda_build_covers(["80-real"], (9, 0)) and not _cuda_build_covers(["90-real"], (8, 0))
+    assert not _cuda_build_covers(["90-virtual"], (8, 9)) and not _cuda_build_covers(["100-real"], (12, 0))
 
 
 def test_warp_size_by_architecture():
@@ -113,3 +142,9 @@ def test_rocm_device_details_from_hip_python_or_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "hip", types.SimpleNamespace(hip=fake_hip))
     details = _rocm_details(0, props)
     assert details["source"] == "hip-python" and details["arch"] == "gfx1100" and details["kernels"] == "wave32"
+
+
+@requires_gpu
+def test_info_on_this_gpu():
+    """The build's description on the GPU itself (`pytest -m gpu` selects this one): its architectures cover it."""
+    test_info_describes_the_build()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import GPU, assert_close
+from conftest import assert_close, requires_gpu
 
 import flashkern
 import flashkern.cupy as fkcp
@@ -17,7 +17,8 @@ def test_imports_without_cupy_and_says_what_is_missing(monkeypatch):
     assert all(hasattr(flashkern, name) for name in fkcp.__all__)
 
 
-@pytest.mark.skipif(not GPU or fkcp._cp is None, reason="needs CuPy and a GPU")
+@requires_gpu
+@pytest.mark.skipif(fkcp._cp is None, reason="needs CuPy")
 def test_ops_on_cupy_arrays():
     cp = fkcp._cp
     x = cp.random.standard_normal((37, 769), dtype=cp.float32)

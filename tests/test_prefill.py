@@ -7,7 +7,7 @@ kernels). Decode and the cascade with window_left / logits_soft_cap; bad input r
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close, emulated, poisoned, rand
+from conftest import assert_close, emulated, poisoned, rand, requires_gpu
 from paged_kv import i32, paged, random_kv, rounded
 
 import flashkern
@@ -365,7 +365,7 @@ def test_torch_compile_fullgraph(device):
     assert torch.isfinite(lse).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@requires_gpu
 def test_cuda_graph_replay_after_replan():
     """Capture a paged prefill's run() once; a later plan() with other lengths is what a replay computes."""
     kv_heads, group, head_dim, page_size = 2, 4, 64, 16

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from conftest import emulated, rand
+from conftest import emulated, rand, requires_gpu
 
 import flashkern
 
@@ -61,7 +61,7 @@ def test_mismatched_devices():
         ops.fused_add_rmsnorm(x, torch.empty(4, 8, device="meta"), torch.ones(8), 1e-6, 0.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@requires_gpu
 def test_mismatched_devices_gpu():
     x = rand((4, 8), torch.float32, "cuda")
     with pytest.raises(ValueError, match=r"weight is on cpu but input is on cuda"):
