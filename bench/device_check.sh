@@ -29,11 +29,13 @@ GRACE=15  # seconds a step has between SIGINT and SIGKILL
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 FLASHKERN_BENCH_SET=${FLASHKERN_BENCH_SET:-quick}
 export FLASHKERN_COMMIT=${FLASHKERN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-STEPS=$(mktemp)   # one line a step: name status seconds log first-byte
+STEPS=$(mktemp)   # one line a step: name status seconds log first-byte end-byte
 HEADER=""
 NOTES=()
 
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+section() { tail -c +"$(($2 + 1))" "$1" | head -c "$(($3 - $2))"; }  # section LOG FROM TO: a step's output
 
 summary() {  # summary.txt from what has run so far; rewritten after every step
   {
@@ -41,20 +43,20 @@ summary() {  # summary.txt from what has run so far; rewritten after every step
     echo "commit $FLASHKERN_COMMIT | budget ${BUDGET}s, used $(($(date +%s) - T0))s"
     echo
     printf "%-10s %-12s %6s  %s\n" step status time result
-    local name status secs log offset result
-    while read -r name status secs log offset; do
+    local name status secs log offset end result
+    while read -r name status secs log offset end; do
       result=""
       if [ -f "$log" ]; then
-        result=$(tail -c +"$((offset + 1))" "$log" | grep -aE '^=+ .*[0-9]+ (passed|failed|error|errors|deselected|skipped).* =+$|^[0-9]+ (passed|failed|error|deselected)|no tests ran' | tail -1 | tr -d '=' | sed 's/^ *//')
+        result=$(section "$log" "$offset" "$end" | grep -aE '^=+ .*[0-9]+ (passed|failed|error|errors|deselected|skipped).* =+$|^[0-9]+ (passed|failed|error|deselected)|no tests ran' | tail -1 | tr -d '=' | sed 's/^ *//')
       fi
       printf "%-10s %-12s %5ss  %s\n" "$name" "$status" "$secs" "$result"
     done <"$STEPS"
     for note in "${NOTES[@]+"${NOTES[@]}"}"; do echo "note: $note"; done
     # the failures, by step
-    while read -r name status secs log offset; do
+    while read -r name status secs log offset end; do
       [ -f "$log" ] || continue
       local failed
-      failed=$(tail -c +"$((offset + 1))" "$log" | grep -aE '^(FAILED|ERROR) ' | cut -c1-220)
+      failed=$(section "$log" "$offset" "$end" | grep -aE '^(FAILED|ERROR) ' | cut -c1-220)
       if [ -n "$failed" ]; then
         echo
         echo "$name: $(echo "$failed" | wc -l) failed (first 25; all in $(basename "$log"))"
@@ -78,7 +80,7 @@ step() {  # step NAME LOG CAP_S COMMAND...: runs COMMAND for min(CAP_S, what the
   [ "$cap" -lt "$limit" ] && limit=$cap
   offset=$(stat -c %s "$log" 2>/dev/null || echo 0)
   if [ "$limit" -lt 20 ]; then
-    echo "$name skipped:budget 0 $log $offset" >>"$STEPS"
+    echo "$name skipped:budget 0 $log $offset $offset" >>"$STEPS"
     summary
     return 124
   fi
@@ -87,7 +89,7 @@ step() {  # step NAME LOG CAP_S COMMAND...: runs COMMAND for min(CAP_S, what the
   timeout -s INT -k "$GRACE" "$limit" "$@" >>"$log" 2>&1
   rc=$?
   case $rc in 0) status=ok ;; 124 | 130 | 137) status=cut:${limit}s ;; *) status=FAIL:$rc ;; esac
-  echo "$name $status $(($(date +%s) - start)) $log $offset" >>"$STEPS"
+  echo "$name $status $(($(date +%s) - start)) $log $offset $(stat -c %s "$log")" >>"$STEPS"
   summary
   return $rc
 }
@@ -95,7 +97,7 @@ step() {  # step NAME LOG CAP_S COMMAND...: runs COMMAND for min(CAP_S, what the
 trap 'summary; exit 130' INT TERM
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkern-peers .whl/*.whl \
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/flashkern-peers .whl/*.whl \
     && export PYTHONPATH="/tmp/flashkern-peers${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
@@ -118,7 +120,7 @@ fi
 
 # ---- build, for this device only; skipped when this source tree is the one installed
 if [ "$BACKEND" = hip ]; then ARCHS=$ARCH; else ARCHS=$ARCH-real; fi
-SOURCE_HASH=$(cat setup.py CMakeLists.txt $(find csrc python -type f -not -name '*.pyc' | sort) | sha1sum | cut -c1-16)
+SOURCE_HASH=$(cat setup.py CMakeLists.txt $(find csrc python -type f -not -name '*.pyc' -not -name '*.so' -not -path '*.egg-info/*' | sort) | sha1sum | cut -c1-16)
 STAMP="$BACKEND $ARCHS $SOURCE_HASH"  # what build/device_check.stamp says was installed last
 if [ "$(cat build/device_check.stamp 2>/dev/null)" = "$STAMP" ] && $PY -c 'import flashkern._C' 2>/dev/null; then
   NOTES+=("build skipped: this source tree is installed for $BACKEND $ARCHS")

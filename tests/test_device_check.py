@@ -118,6 +118,8 @@ def test_bench_rebuilds_only_a_changed_tree(tmp_path):
     assert any(compiled) and compiled == sorted(compiled), "torch.compile rows last"
     assert not by_step(calls, "tests") and len(files) <= 8
     assert len(by_step(calls, "build")) == 1
+    (tmp_path / "repo" / "python" / "flashkern.egg-info").mkdir()  # what pip leaves in the tree is not a change
+    (tmp_path / "repo" / "python" / "flashkern.egg-info" / "SOURCES.txt").write_text("setup.py\n")
     dry_run(tmp_path, mode="bench")  # the same tree again: no build
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert len(by_step(calls, "build")) == 1 and len(by_step(calls, "bench")) == 2

@@ -28,11 +28,13 @@ def _inv_freq(op, head_dim, rotary_dim, rope_theta, rope_scale, llama31, device)
         raise ValueError(f"{op}: rotary_dim must be an even integer in [2, head_dim={head_dim}], got {rotary_dim!r}")
     if not rope_scale > 0 or not rope_theta > 0:
         raise ValueError(f"{op}: rope_scale and rope_theta must be positive, got {rope_scale!r} and {rope_theta!r}")
+    # Computed on the CPU, then moved: torch's float32 pow differs by an ulp between devices, and at
+    # position 40K one ulp of a frequency turns the angle by 5e-3 rad (seen on an H200)
     key = (rotary_dim, float(rope_theta), float(rope_scale), llama31, str(device))
     if torch.compiler.is_compiling():  # traced into the graph instead of cached
-        return theta_inv_freq(rotary_dim, rope_theta, rope_scale, llama31, device)
+        return theta_inv_freq(rotary_dim, rope_theta, rope_scale, llama31).to(device)
     if key not in _inv_freq_cache:
-        _inv_freq_cache[key] = theta_inv_freq(rotary_dim, rope_theta, rope_scale, llama31, device)
+        _inv_freq_cache[key] = theta_inv_freq(rotary_dim, rope_theta, rope_scale, llama31).to(device)
     return _inv_freq_cache[key]
 
 
@@ -51,7 +53,8 @@ def _positions(op, q, indptr, offsets):
     # The contract, not checked on a GPU (it would need a host sync): indptr[0] == 0, indptr is
     # non-decreasing and indptr[-1] == tokens.
     token = torch.arange(q.shape[0], device=q.device, dtype=indptr.dtype)
-    batch = torch.searchsorted(indptr[1:].contiguous(), token, right=True).clamp_(max=max(offsets.shape[0] - 1, 0))
+    # b = #{indptr[1:] <= token}, as the whole indptr: Inductor (torch 2.11) cannot lower a sliced boundary tensor
+    batch = (torch.searchsorted(indptr, token, right=True) - 1).clamp_(0, max(offsets.shape[0] - 1, 0))
     return offsets.to(torch.int64)[batch] + (token - indptr[batch]).to(torch.int64)
 
 

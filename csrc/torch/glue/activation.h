@@ -11,14 +11,14 @@ fk::Activation to_activation(const char* op, const std::string& name) {
   if (name == "silu") return fk::Activation::silu;
   if (name == "gelu") return fk::Activation::gelu;
   if (name == "gelu_tanh") return fk::Activation::gelu_tanh;
-  TORCH_CHECK_VALUE(false, op, ": activation must be 'silu', 'gelu' or 'gelu_tanh', got '", name, "'");
+  FK_CHECK_VALUE(false, op, ": activation must be 'silu', 'gelu' or 'gelu_tanh', got '", name, "'");
   return fk::Activation::silu;  // not reached
 }
 
 void check_act_and_mul(const char* op, const Tensor& input) {
-  TORCH_CHECK_VALUE(input.dim() >= 1, op, ": input must have at least one dimension, got a scalar");
+  FK_CHECK_VALUE(input.dim() >= 1, op, ": input must have at least one dimension, got a scalar");
   check_float(op, "input", input);
-  TORCH_CHECK_VALUE(input.size(-1) % 2 == 0, op,
+  FK_CHECK_VALUE(input.size(-1) % 2 == 0, op,
                     ": the last dimension of input must be even (gate and up halves), got ", input.size(-1));
   check_last_dim_contiguous(op, "input", input);
 }
@@ -38,7 +38,7 @@ std::string public_name(c10::string_view activation, const char* suffix = "") {
 void check_half_output(const char* op, const char* name, const Tensor& t, const Tensor& input) {
   check_same(op, name, t, "input", input, /*same_shape=*/false);
   const std::vector<int64_t> expected = half_last_dim(input);
-  TORCH_CHECK_VALUE(t.sizes() == expected, op, ": ", name, " must have shape ",
+  FK_CHECK_VALUE(t.sizes() == expected, op, ": ", name, " must have shape ",
                     as_tuple(expected), " (input's with the last dimension halved), got ", as_tuple(t.sizes()));
   check_last_dim_contiguous(op, name, t);
 }
@@ -132,7 +132,7 @@ Tensor act_and_mul_backward(const Tensor& grad_out, const Tensor& input, c10::st
 }
 
 void check_act_mul(const char* op, const Tensor& gate, const Tensor& up) {
-  TORCH_CHECK_VALUE(gate.dim() >= 1, op, ": gate must have at least one dimension, got a scalar");
+  FK_CHECK_VALUE(gate.dim() >= 1, op, ": gate must have at least one dimension, got a scalar");
   check_float(op, "gate", gate);
   check_same(op, "up", up, "gate", gate);
   check_last_dim_contiguous(op, "gate", gate);

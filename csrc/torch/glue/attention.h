@@ -11,17 +11,17 @@ namespace {
 
 void check_state(const char* op, const char* v_name, const Tensor& v, const char* s_name, const Tensor& s,
                  int64_t rank) {
-  TORCH_CHECK_VALUE(v.dim() == rank, op, ": ", v_name, " must be ", rank, "-D ",
+  FK_CHECK_VALUE(v.dim() == rank, op, ": ", v_name, " must be ", rank, "-D ",
                     rank == 4 ? "[tokens, num_states, heads, head_dim]" : "[tokens, heads, head_dim]", ", got shape ",
                     as_tuple(v.sizes()));
   check_float(op, v_name, v);
   check_last_dim_contiguous(op, v_name, v);
-  TORCH_CHECK_VALUE(v.size(-1) > 0, op, ": head_dim (last dimension of ", v_name, ") must be positive");
-  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": ", s_name, " (the log-sum-exp) must be float32, got ",
+  FK_CHECK_VALUE(v.size(-1) > 0, op, ": head_dim (last dimension of ", v_name, ") must be positive");
+  FK_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": ", s_name, " (the log-sum-exp) must be float32, got ",
                    dtype_name(s.scalar_type()));
-  TORCH_CHECK_VALUE(s.device() == v.device(), op, ": ", s_name, " is on ", s.device(), " but ", v_name, " is on ",
+  FK_CHECK_VALUE(s.device() == v.device(), op, ": ", s_name, " is on ", s.device(), " but ", v_name, " is on ",
                     v.device());
-  TORCH_CHECK_VALUE(s.sizes() == v.sizes().slice(0, rank - 1), op, ": ", s_name, " must have shape ",
+  FK_CHECK_VALUE(s.sizes() == v.sizes().slice(0, rank - 1), op, ": ", s_name, " must have shape ",
                     as_tuple(v.sizes().slice(0, rank - 1)), " (", v_name, "'s without head_dim), got ",
                     as_tuple(s.sizes()));
 }
@@ -76,7 +76,7 @@ void merge_state_in_place(Tensor& v, Tensor& s, const Tensor& v_other, const Ten
   check_same(op, "v_other", v_other, "v", v);
   check_state(op, "v_other", v_other, "s_other", s_other, 3);
   if (mask) {
-    TORCH_CHECK_VALUE(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == v.size(0) &&
+    FK_CHECK_VALUE(mask->scalar_type() == at::kBool && mask->dim() == 1 && mask->size(0) == v.size(0) &&
                           mask->device() == v.device(),
                       op, ": mask must be a bool tensor of shape (", v.size(0), ",) on ", v.device(), ", got ",
                       dtype_name(mask->scalar_type()), " of shape ", as_tuple(mask->sizes()), " on ", mask->device());
@@ -110,69 +110,69 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                      const std::optional<Tensor>& sinks, double out_scale, bool enable_pdl,
                      const std::optional<Tensor>& custom_mask, double logits_soft_cap) {
   const char* op = "batch_attention";
-  TORCH_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
+  FK_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
                     as_tuple(q_in.sizes()));
-  TORCH_CHECK_TYPE(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16, op,
+  FK_CHECK_TYPE(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16, op,
                    ": q must be float16 or bfloat16, got ", dtype_name(q_in.scalar_type()));
   check_last_dim_contiguous(op, "q", q_in);
   const int64_t batch = q_in.size(0), qo_heads = q_in.size(1), head_dim = q_in.size(2);
-  TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op,
+  FK_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op,
                     ": head_dim must be 64, 128 or 256, got ", head_dim);
   check_same(op, "k_cache", k_cache, "q", q_in, /*same_shape=*/false);
   check_same(op, "v_cache", v_cache, "k_cache", k_cache);
-  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(3) == head_dim, op,
+  FK_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(3) == head_dim, op,
                     ": k_cache must be 4-D [pages, page_size, num_kv_heads, head_dim] with q's head_dim ", head_dim,
                     ", got shape ", as_tuple(k_cache.sizes()));
   check_last_dim_contiguous(op, "k_cache", k_cache);
   check_last_dim_contiguous(op, "v_cache", v_cache);
   const int64_t kv_heads = k_cache.size(2), page_size = k_cache.size(1);
-  TORCH_CHECK_VALUE(kv_heads > 0 && qo_heads % kv_heads == 0, op, ": num_qo_heads (", qo_heads,
+  FK_CHECK_VALUE(kv_heads > 0 && qo_heads % kv_heads == 0, op, ": num_qo_heads (", qo_heads,
                     ") must be a multiple of num_kv_heads (", kv_heads, ")");
-  TORCH_CHECK_VALUE(page_size > 0 && page_size < (int64_t(1) << 31), op, ": page_size must be in [1, 2^31), got ",
+  FK_CHECK_VALUE(page_size > 0 && page_size < (int64_t(1) << 31), op, ": page_size must be in [1, 2^31), got ",
                     page_size);
-  TORCH_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache), op,
+  FK_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache), op,
                     ": paged_kv_cache must start on a 16-byte boundary and have strides that are multiples of 8 "
                     "elements (the kernels read it 16 bytes at a time), got strides ",
                     as_tuple(k_cache.strides()));
-  TORCH_CHECK_VALUE(kv_indices.size() >= 1 && kv_indices.size() <= size_t(fk::kMaxLevels), op,
+  FK_CHECK_VALUE(kv_indices.size() >= 1 && kv_indices.size() <= size_t(fk::kMaxLevels), op,
                     ": kv_indices must be a list of 1 to ", fk::kMaxLevels, " tensors (one per level)");
   for (size_t i = 0; i < kv_indices.size(); ++i) {
-    TORCH_CHECK_TYPE(kv_indices[i].scalar_type() == at::kInt, op, ": kv_indices[", i, "] must be int32, got ",
+    FK_CHECK_TYPE(kv_indices[i].scalar_type() == at::kInt, op, ": kv_indices[", i, "] must be int32, got ",
                      dtype_name(kv_indices[i].scalar_type()));
-    TORCH_CHECK_VALUE(kv_indices[i].dim() == 1 && kv_indices[i].device() == q_in.device() &&
+    FK_CHECK_VALUE(kv_indices[i].dim() == 1 && kv_indices[i].device() == q_in.device() &&
                           (kv_indices[i].numel() <= 1 || kv_indices[i].stride(0) == 1),
                       op, ": kv_indices[", i, "] must be a contiguous 1-D tensor on ", q_in.device());
-    TORCH_CHECK_VALUE(kv_indices[i].numel() < (int64_t(1) << 31), op, ": kv_indices[", i,
+    FK_CHECK_VALUE(kv_indices[i].numel() < (int64_t(1) << 31), op, ": kv_indices[", i,
                       "] must have fewer than 2^31 entries, got ", kv_indices[i].numel());
   }
-  TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
+  FK_CHECK_VALUE(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
                         workspace.device() == q_in.device(),
                     op, ": workspace must be a contiguous 1-D uint8 tensor on ", q_in.device());
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(workspace.const_data_ptr()) % 16 == 0, op,
+  FK_CHECK_VALUE(reinterpret_cast<uintptr_t>(workspace.const_data_ptr()) % 16 == 0, op,
                     ": workspace must start on a 16-byte boundary");
-  TORCH_CHECK_VALUE((out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
+  FK_CHECK_VALUE((out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
                         out.sizes() == q_in.sizes() && out.is_contiguous() && out.device() == q_in.device(),
                     op, ": out must be a contiguous float16 or bfloat16 tensor of shape ", as_tuple(q_in.sizes()),
                     " on ", q_in.device());
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 16 == 0, op,
+  FK_CHECK_VALUE(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 16 == 0, op,
                     ": out must start on a 16-byte boundary");
-  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == q_in.sizes().slice(0, 2) && lse.is_contiguous() &&
+  FK_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == q_in.sizes().slice(0, 2) && lse.is_contiguous() &&
                         lse.device() == q_in.device(),
                     op, ": lse must be a contiguous float32 tensor of shape ", as_tuple(q_in.sizes().slice(0, 2)));
-  TORCH_CHECK_VALUE(grid.size() == 4, op, ": grid must be four non-negative block counts, got ", grid);
+  FK_CHECK_VALUE(grid.size() == 4, op, ": grid must be four non-negative block counts, got ", grid);
   for (const int64_t g : grid)
-    TORCH_CHECK_VALUE(g >= 0 && g < (int64_t(1) << 31), op, ": grid must be four non-negative block counts, got ", grid);
-  TORCH_CHECK_VALUE(std::isfinite(sm_scale), op, ": sm_scale must be finite, got ", sm_scale);
-  TORCH_CHECK_VALUE(std::isfinite(out_scale), op, ": out_scale must be finite, got ", out_scale);
+    FK_CHECK_VALUE(g >= 0 && g < (int64_t(1) << 31), op, ": grid must be four non-negative block counts, got ", grid);
+  FK_CHECK_VALUE(std::isfinite(sm_scale), op, ": sm_scale must be finite, got ", sm_scale);
+  FK_CHECK_VALUE(std::isfinite(out_scale), op, ": out_scale must be finite, got ", out_scale);
   if (sinks.has_value())
-    TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == qo_heads &&
+    FK_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == qo_heads &&
                           sinks->is_contiguous() && sinks->device() == q_in.device(),
                       op, ": sinks must be a contiguous float32 tensor of shape (", qo_heads, ",) on ", q_in.device());
   if (custom_mask.has_value())
-    TORCH_CHECK_VALUE(custom_mask->scalar_type() == at::kByte && custom_mask->dim() == 1 &&
+    FK_CHECK_VALUE(custom_mask->scalar_type() == at::kByte && custom_mask->dim() == 1 &&
                           custom_mask->is_contiguous() && custom_mask->device() == q_in.device(),
                       op, ": custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on ", q_in.device());
-  TORCH_CHECK_VALUE(std::isfinite(logits_soft_cap) && (logits_soft_cap == 0 || logits_soft_cap >= 1e-6), op,
+  FK_CHECK_VALUE(std::isfinite(logits_soft_cap) && (logits_soft_cap == 0 || logits_soft_cap >= 1e-6), op,
                     ": logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got ", logits_soft_cap);
   if (batch == 0) return;
 

@@ -11,8 +11,11 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "flashkern/ops.h"
@@ -31,7 +34,38 @@ void* current_stream(const Tensor& t) {
 #endif
 }
 
-void check_launch(const char* error, const char* op) { TORCH_CHECK(error == nullptr, op, ": kernel launch failed: ", error); }
+// Check messages: numbers are formatted here (std::to_string, snprintf), never streamed through
+// std::ostream from this library. On the H200 image (torch 2.11, GCC 13.3 at /opt/gcc; 2026-12-04)
+// every check whose message streamed an int or a double from this library crashed the process with
+// SIGSEGV, while those that streamed strings raised as they should.
+std::string as_tuple(at::IntArrayRef v);
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, std::string_view v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void append(std::string& s, double v) {  // "%g": what an ostream prints by default
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  s += text;
+}
+inline void append(std::string& s, at::IntArrayRef v) { s += as_tuple(v); }
+inline void append(std::string& s, const c10::Device& d) { s += d.str(); }
+template <class... Args>
+std::string message(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  return s;
+}
+#define FK_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__))
+#define FK_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, message(__VA_ARGS__))
+#define FK_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, message(__VA_ARGS__))
+
+void check_launch(const char* error, const char* op) { FK_CHECK(error == nullptr, op, ": kernel launch failed: ", error); }
 
 // A dtype as Python prints it ("torch.float16"), so that messages match the Python checks'.
 std::string dtype_name(at::ScalarType t) {
@@ -81,23 +115,23 @@ fk::DType to_dtype(at::ScalarType t) {
 
 void check_float(const char* op, const char* name, const Tensor& t) {
   const auto s = t.scalar_type();
-  TORCH_CHECK_TYPE(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat, op, ": ", name,
+  FK_CHECK_TYPE(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat, op, ": ", name,
                    " must be float16, bfloat16 or float32, got ", dtype_name(s));
 }
 
 void check_same(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref,
                 bool same_shape = true) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+  FK_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
                     ref.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have the dtype of ", ref_name, " (",
+  FK_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have the dtype of ", ref_name, " (",
                    dtype_name(ref.scalar_type()), "), got ", dtype_name(t.scalar_type()));
   if (same_shape)
-    TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ",
+    FK_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ",
                       as_tuple(ref.sizes()), ", got ", as_tuple(t.sizes()));
 }
 
 void check_last_dim_contiguous(const char* op, const char* name, const Tensor& t) {
-  TORCH_CHECK_VALUE(t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1), op, ": ", name,
+  FK_CHECK_VALUE(t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1), op, ": ", name,
                     " must be contiguous in its last dimension, got strides ", as_tuple(t.strides()));
 }
 

@@ -8,22 +8,22 @@
 namespace {
 
 void check_rmsnorm(const char* op, const Tensor& input, const Tensor& weight, double eps) {
-  TORCH_CHECK_VALUE(input.dim() == 2 || input.dim() == 3, op,
+  FK_CHECK_VALUE(input.dim() == 2 || input.dim() == 3, op,
                     ": input must be 2-D [tokens, hidden] or 3-D [tokens, heads, head_dim], got shape ",
                     as_tuple(input.sizes()));
   check_float(op, "input", input);
-  TORCH_CHECK_VALUE(input.size(-1) > 0, op, ": the hidden size (last dimension of input) must be positive");
-  TORCH_CHECK_VALUE(weight.device() == input.device(), op, ": weight is on ", weight.device(), " but input is on ",
+  FK_CHECK_VALUE(input.size(-1) > 0, op, ": the hidden size (last dimension of input) must be positive");
+  FK_CHECK_VALUE(weight.device() == input.device(), op, ": weight is on ", weight.device(), " but input is on ",
                     input.device());
-  TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat, op,
+  FK_CHECK_TYPE(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat, op,
                    ": weight must be float32 or the dtype of input (", dtype_name(input.scalar_type()), "), got ",
                    dtype_name(weight.scalar_type()));
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == input.size(-1), op, ": weight must have shape [",
+  FK_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == input.size(-1), op, ": weight must have shape [",
                     input.size(-1), "] to match the last dimension of input, got ", as_tuple(weight.sizes()));
-  TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ",
+  FK_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ",
                     as_tuple(weight.strides()));
   check_last_dim_contiguous(op, "input", input);
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
+  FK_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
 }
 
 void rmsnorm_launch(const char* op, const Tensor& out, const Tensor& input, const std::optional<Tensor>& residual,

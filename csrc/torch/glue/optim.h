@@ -17,26 +17,26 @@ bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u)
 
 // A tensor of a multi-tensor op: on `device`, dense and contiguous, not sparse.
 void check_listed(const char* op, const char* list, size_t i, const Tensor& t, const Tensor& ref) {
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", list, "[", i, "] is sparse; sparse gradients are not supported");
-  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", list, "[", i, "] is on ", t.device(), " but ", list,
+  FK_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", list, "[", i, "] is sparse; sparse gradients are not supported");
+  FK_CHECK_VALUE(t.device() == ref.device(), op, ": ", list, "[", i, "] is on ", t.device(), " but ", list,
                     "[0] is on ", ref.device(), " (one device per call)");
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", list, "[", i, "] must be contiguous");
+  FK_CHECK_VALUE(t.is_contiguous(), op, ": ", list, "[", i, "] must be contiguous");
 }
 
 void check_fp32_like(const char* op, const char* list, size_t i, const Tensor& t, const Tensor& param) {
   check_listed(op, list, i, t, param);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", list, "[", i, "] must be torch.float32, got ",
+  FK_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", list, "[", i, "] must be torch.float32, got ",
                    dtype_name(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.numel() == param.numel(), op, ": ", list, "[", i, "] must have ", param.numel(),
+  FK_CHECK_VALUE(t.numel() == param.numel(), op, ": ", list, "[", i, "] must have ", param.numel(),
                     " elements (its parameter's), got ", t.numel());
 }
 
 void check_scalar(const char* op, const char* name, const Tensor& t, const Tensor& ref, int64_t numel = 1) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but the tensors are on ",
+  FK_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but the tensors are on ",
                     ref.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name, " must be torch.float32, got ",
+  FK_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name, " must be torch.float32, got ",
                    dtype_name(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.numel() == numel && t.is_contiguous(), op, ": ", name, " must be a contiguous tensor of ", numel,
+  FK_CHECK_VALUE(t.numel() == numel && t.is_contiguous(), op, ": ", name, " must be a contiguous tensor of ", numel,
                     " element(s), got shape ", as_tuple(t.sizes()));
 }
 
@@ -67,15 +67,15 @@ int64_t total_chunks(const std::vector<fk::OptimTensor>& entries) {
 void upload_table(const char* op, const std::vector<fk::OptimTensor>& entries, Tensor& table, Tensor& table_host,
                   const Tensor& ref, bool allow_upload) {
   const int64_t bytes = int64_t(entries.size() * sizeof(fk::OptimTensor));
-  TORCH_CHECK_VALUE(table.scalar_type() == at::kByte && table.is_contiguous() && table.numel() >= bytes &&
+  FK_CHECK_VALUE(table.scalar_type() == at::kByte && table.is_contiguous() && table.numel() >= bytes &&
                         table.device() == ref.device() && (reinterpret_cast<uintptr_t>(table.const_data_ptr()) & 7u) == 0,
                     op, ": table must be a contiguous, 8-byte aligned torch.uint8 tensor of at least ", bytes,
                     " bytes on ", ref.device());
-  TORCH_CHECK_VALUE(table_host.scalar_type() == at::kByte && table_host.is_contiguous() &&
+  FK_CHECK_VALUE(table_host.scalar_type() == at::kByte && table_host.is_contiguous() &&
                         table_host.numel() >= bytes && table_host.device().is_cpu(),
                     op, ": table_host must be a contiguous torch.uint8 CPU tensor of at least ", bytes, " bytes");
   if (bytes == 0 || std::memcmp(table_host.const_data_ptr(), entries.data(), size_t(bytes)) == 0) return;
-  TORCH_CHECK_VALUE(allow_upload, op, ": the tensors' addresses changed while a CUDA graph is being captured; run a "
+  FK_CHECK_VALUE(allow_upload, op, ": the tensors' addresses changed while a CUDA graph is being captured; run a "
                     "step eagerly with the same tensors (gradients included) before capturing");
   std::memcpy(table_host.data_ptr(), entries.data(), size_t(bytes));
   Tensor staging = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(!table.device().is_cpu()));
@@ -94,12 +94,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> grad_norm(at::TensorList tensors, dou
                                                      std::optional<double> max_norm, bool per_tensor, Tensor& table,
                                                      Tensor& table_host, bool allow_upload) {
   const char* op = "grad_norm";
-  TORCH_CHECK_VALUE(!tensors.empty(), op, ": no tensors");
-  TORCH_CHECK_VALUE(norm_type > 0 && !std::isnan(norm_type), op, ": norm_type must be positive or inf, got ", norm_type);
+  FK_CHECK_VALUE(!tensors.empty(), op, ": no tensors");
+  FK_CHECK_VALUE(norm_type > 0 && !std::isnan(norm_type), op, ": norm_type must be positive or inf, got ", norm_type);
   const Tensor& ref = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_listed(op, "tensors", i, tensors[i], ref);
-    TORCH_CHECK_TYPE(optim_dtype(tensors[i].scalar_type()), op, ": tensors[", i,
+    FK_CHECK_TYPE(optim_dtype(tensors[i].scalar_type()), op, ": tensors[", i,
                      "] must be float16, bfloat16 or float32, got ", dtype_name(tensors[i].scalar_type()));
   }
   const c10::DeviceGuard guard(ref.device());
@@ -134,7 +134,7 @@ void adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
            Tensor& table, Tensor& table_host, bool allow_upload) {
   const char* op = "adamw";
   const size_t n = params.size();
-  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
+  FK_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
                         (masters.empty() || masters.size() == n),
                     op, ": params, grads, exp_avgs, exp_avg_sqs and steps (and masters, unless empty) must be lists "
                     "of the same length");
@@ -143,12 +143,12 @@ void adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
   for (size_t i = 0; i < n; ++i) {
     const Tensor& p = params[i];
     check_listed(op, "params", i, p, ref);
-    TORCH_CHECK_TYPE(optim_dtype(p.scalar_type()), op, ": params[", i, "] must be float16, bfloat16 or float32, got ",
+    FK_CHECK_TYPE(optim_dtype(p.scalar_type()), op, ": params[", i, "] must be float16, bfloat16 or float32, got ",
                      dtype_name(p.scalar_type()));
     check_listed(op, "grads", i, grads[i], ref);
-    TORCH_CHECK_TYPE(grads[i].scalar_type() == p.scalar_type(), op, ": grads[", i, "] must have its parameter's dtype (",
+    FK_CHECK_TYPE(grads[i].scalar_type() == p.scalar_type(), op, ": grads[", i, "] must have its parameter's dtype (",
                      dtype_name(p.scalar_type()), "), got ", dtype_name(grads[i].scalar_type()));
-    TORCH_CHECK_VALUE(grads[i].sizes() == p.sizes(), op, ": grads[", i, "] must have its parameter's shape ",
+    FK_CHECK_VALUE(grads[i].sizes() == p.sizes(), op, ": grads[", i, "] must have its parameter's shape ",
                       as_tuple(p.sizes()), ", got ", as_tuple(grads[i].sizes()));
     check_fp32_like(op, "exp_avgs", i, exp_avgs[i], p);
     check_fp32_like(op, "exp_avg_sqs", i, exp_avg_sqs[i], p);

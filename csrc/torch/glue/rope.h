@@ -8,32 +8,32 @@
 namespace {
 
 int64_t check_rope(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions, const Tensor& freqs) {
-  TORCH_CHECK_VALUE(q.dim() == 3, op, ": q must be 3-D [tokens, heads, head_dim], got shape ",
+  FK_CHECK_VALUE(q.dim() == 3, op, ": q must be 3-D [tokens, heads, head_dim], got shape ",
                     as_tuple(q.sizes()));
   check_float(op, "q", q);
   check_same(op, "k", k, "q", q, /*same_shape=*/false);
-  TORCH_CHECK_VALUE(k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), op,
+  FK_CHECK_VALUE(k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), op,
                     ": k must be [tokens, heads, head_dim] with q's tokens and head_dim, got shape ",
                     as_tuple(k.sizes()));
   check_last_dim_contiguous(op, "q", q);
   check_last_dim_contiguous(op, "k", k);
-  TORCH_CHECK_TYPE(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op,
+  FK_CHECK_TYPE(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op,
                    ": positions must be int32 or int64, got ", dtype_name(positions.scalar_type()));
-  TORCH_CHECK_VALUE(positions.device() == q.device(), op, ": positions is on ", positions.device(), " but q is on ",
+  FK_CHECK_VALUE(positions.device() == q.device(), op, ": positions is on ", positions.device(), " but q is on ",
                     q.device());
-  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == q.size(0), op, ": positions must have shape [",
+  FK_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == q.size(0), op, ": positions must have shape [",
                     q.size(0), "] (one per token), got ", as_tuple(positions.sizes()));
-  TORCH_CHECK_TYPE(freqs.scalar_type() == at::kFloat, op,
+  FK_CHECK_TYPE(freqs.scalar_type() == at::kFloat, op,
                    ": the frequency table (inv_freq or cos_sin_cache) must be float32, got ",
                    dtype_name(freqs.scalar_type()));
-  TORCH_CHECK_VALUE(freqs.device() == q.device(), op, ": the frequency table is on ", freqs.device(), " but q is on ",
+  FK_CHECK_VALUE(freqs.device() == q.device(), op, ": the frequency table is on ", freqs.device(), " but q is on ",
                     q.device());
-  TORCH_CHECK_VALUE((freqs.dim() == 1 || freqs.dim() == 2) && freqs.is_contiguous(), op,
+  FK_CHECK_VALUE((freqs.dim() == 1 || freqs.dim() == 2) && freqs.is_contiguous(), op,
                     ": the frequency table must be a contiguous inv_freq [rotary_dim / 2] or cos_sin_cache "
                     "[max_position, rotary_dim], got shape ",
                     as_tuple(freqs.sizes()));
   const int64_t rotary_dim = freqs.dim() == 1 ? 2 * freqs.size(0) : freqs.size(1);
-  TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2), op,
+  FK_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2), op,
                     ": rotary_dim must be even, positive and at most head_dim ", q.size(2), ", got ", rotary_dim);
   return rotary_dim;
 }

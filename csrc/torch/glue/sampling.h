@@ -11,11 +11,11 @@ namespace {
 void check_row_param(const char* op, const char* name, const std::optional<Tensor>& t, const Tensor& ref,
                      int64_t batch, at::ScalarType dtype) {
   if (!t) return;
-  TORCH_CHECK_VALUE(t->device() == ref.device(), op, ": ", name, " is on ", t->device(), " but probs is on ",
+  FK_CHECK_VALUE(t->device() == ref.device(), op, ": ", name, " is on ", t->device(), " but probs is on ",
                     ref.device());
-  TORCH_CHECK_TYPE(t->scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype), ", got ",
+  FK_CHECK_TYPE(t->scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype), ", got ",
                    dtype_name(t->scalar_type()));
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == batch && t->is_contiguous(), op, ": ", name,
+  FK_CHECK_VALUE(t->dim() == 1 && t->size(0) == batch && t->is_contiguous(), op, ": ", name,
                     " must be a contiguous tensor of shape (", batch, ",), got ", as_tuple(t->sizes()));
 }
 
@@ -30,11 +30,11 @@ fk::RandomSource random_source(const char* op, const Tensor& ref, int64_t batch,
   for (const auto& [arr, name] : arrays) {
     if (!*arr) continue;
     const Tensor& t = **arr;
-    TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but the input is on ",
+    FK_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but the input is on ",
                       ref.device());
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, op, ": a ", name, " tensor must be torch.int64, got ",
+    FK_CHECK_TYPE(t.scalar_type() == at::kLong, op, ": a ", name, " tensor must be torch.int64, got ",
                      dtype_name(t.scalar_type()));
-    TORCH_CHECK_VALUE(t.dim() == 1 && (t.size(0) == 1 || t.size(0) == batch) && t.is_contiguous(), op, ": a ", name,
+    FK_CHECK_VALUE(t.dim() == 1 && (t.size(0) == 1 || t.size(0) == batch) && t.is_contiguous(), op, ": a ", name,
                       " tensor must be contiguous of shape (1,) or (", batch, ",), got ", as_tuple(t.sizes()));
   }
   if (seed_arr) r.seed_arr = seed_arr->const_data_ptr<int64_t>(), r.seed_len = seed_arr->size(0);
@@ -48,16 +48,16 @@ fk::SampleFilter to_filter(const char* op, const std::string& name) {
   if (name == "top_p") return fk::SampleFilter::top_p;
   if (name == "min_p") return fk::SampleFilter::min_p;
   if (name == "top_k_top_p") return fk::SampleFilter::top_k_top_p;
-  TORCH_CHECK_VALUE(false, op, ": filter must be 'none', 'top_k', 'top_p', 'min_p' or 'top_k_top_p', got '", name, "'");
+  FK_CHECK_VALUE(false, op, ": filter must be 'none', 'top_k', 'top_p', 'min_p' or 'top_k_top_p', got '", name, "'");
   return fk::SampleFilter::none;  // not reached
 }
 
 void check_probs(const char* op, const char* name, const Tensor& probs) {
-  TORCH_CHECK_TYPE(probs.scalar_type() == at::kFloat, op, ": ", name, " must be torch.float32, got ",
+  FK_CHECK_TYPE(probs.scalar_type() == at::kFloat, op, ": ", name, " must be torch.float32, got ",
                    dtype_name(probs.scalar_type()));
-  TORCH_CHECK_VALUE(probs.dim() == 2, op, ": ", name, " must be 2-D (batch, vocab), got shape ",
+  FK_CHECK_VALUE(probs.dim() == 2, op, ": ", name, " must be 2-D (batch, vocab), got shape ",
                     as_tuple(probs.sizes()));
-  TORCH_CHECK_VALUE(probs.size(1) > 0 && probs.size(1) < (int64_t(1) << 31), op, ": ", name,
+  FK_CHECK_VALUE(probs.size(1) > 0 && probs.size(1) < (int64_t(1) << 31), op, ": ", name,
                     " must have between 1 and 2^31 - 1 columns, got ", probs.size(1));
   check_last_dim_contiguous(op, name, probs);
 }
@@ -72,11 +72,11 @@ std::tuple<Tensor, Tensor> sampling(const Tensor& probs, const std::optional<Ten
   check_probs(op, "probs", probs);
   int64_t batch = probs.size(0);
   if (indices) {
-    TORCH_CHECK_VALUE(indices->device() == probs.device(), op, ": indices is on ", indices->device(),
+    FK_CHECK_VALUE(indices->device() == probs.device(), op, ": indices is on ", indices->device(),
                       " but probs is on ", probs.device());
-    TORCH_CHECK_TYPE(indices->scalar_type() == at::kInt || indices->scalar_type() == at::kLong, op,
+    FK_CHECK_TYPE(indices->scalar_type() == at::kInt || indices->scalar_type() == at::kLong, op,
                      ": indices must be torch.int32 or torch.int64, got ", dtype_name(indices->scalar_type()));
-    TORCH_CHECK_VALUE(indices->dim() == 1 && indices->is_contiguous(), op,
+    FK_CHECK_VALUE(indices->dim() == 1 && indices->is_contiguous(), op,
                       ": indices must be a contiguous 1-D tensor, got shape ", as_tuple(indices->sizes()));
     batch = indices->size(0);
   }
@@ -113,11 +113,11 @@ Tensor renorm(const Tensor& input, const std::string& kind, const std::optional<
               const std::optional<Tensor>& top_p_arr, double top_p) {
   const char* op = kind == "top_k_logits" ? "top_k_mask_logits" : kind == "top_p_probs" ? "top_p_renorm_probs"
                                                                                           : "top_k_renorm_probs";
-  TORCH_CHECK_VALUE(kind == "top_k_probs" || kind == "top_p_probs" || kind == "top_k_logits", op,
+  FK_CHECK_VALUE(kind == "top_k_probs" || kind == "top_p_probs" || kind == "top_k_logits", op,
                     ": kind must be 'top_k_probs', 'top_p_probs' or 'top_k_logits', got '", kind, "'");
   check_float(op, kind == "top_k_logits" ? "logits" : "probs", input);
-  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D (batch, vocab), got shape ", as_tuple(input.sizes()));
-  TORCH_CHECK_VALUE(input.size(1) < (int64_t(1) << 31), op, ": at most 2^31 - 1 columns, got ", input.size(1));
+  FK_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D (batch, vocab), got shape ", as_tuple(input.sizes()));
+  FK_CHECK_VALUE(input.size(1) < (int64_t(1) << 31), op, ": at most 2^31 - 1 columns, got ", input.size(1));
   check_last_dim_contiguous(op, "input", input);
   check_row_param(op, "top_k", top_k_arr, input, input.size(0), at::kInt);
   check_row_param(op, "top_p", top_p_arr, input, input.size(0), at::kFloat);
@@ -150,48 +150,48 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> speculative(const Tensor& target, con
                                                        const std::optional<Tensor>& seed_arr, int64_t seed,
                                                        const std::optional<Tensor>& offset_arr, int64_t offset) {
   const char* op = mode == "greedy" ? "verify_tree_greedy" : "speculative_sampling";
-  TORCH_CHECK_VALUE(mode == "greedy" || mode == "sample", op, ": mode must be 'greedy' or 'sample', got '", mode, "'");
+  FK_CHECK_VALUE(mode == "greedy" || mode == "sample", op, ": mode must be 'greedy' or 'sample', got '", mode, "'");
   const bool greedy = mode == "greedy";
   const char* target_name = greedy ? "target_logits" : "target_probs";
   if (greedy)
     check_float(op, target_name, target);
   else
-    TORCH_CHECK_TYPE(target.scalar_type() == at::kFloat, op, ": ", target_name, " must be torch.float32, got ",
+    FK_CHECK_TYPE(target.scalar_type() == at::kFloat, op, ": ", target_name, " must be torch.float32, got ",
                      dtype_name(target.scalar_type()));
-  TORCH_CHECK_VALUE(target.dim() == 3, op, ": ", target_name, " must be 3-D (batch, nodes, vocab), got shape ",
+  FK_CHECK_VALUE(target.dim() == 3, op, ": ", target_name, " must be 3-D (batch, nodes, vocab), got shape ",
                     as_tuple(target.sizes()));
   check_last_dim_contiguous(op, target_name, target);
   const int64_t batch = target.size(0), nodes = target.size(1), vocab = target.size(2);
-  TORCH_CHECK_VALUE(nodes >= 1 && nodes <= 1024, op, ": between 1 and 1024 tree nodes, got ", nodes);
-  TORCH_CHECK_VALUE(vocab >= 1 && vocab < (int64_t(1) << 31), op, ": vocab must be between 1 and 2^31 - 1, got ", vocab);
-  TORCH_CHECK_VALUE(first_candidate == 0 || first_candidate == 1, op, ": first_candidate must be 0 or 1");
-  TORCH_CHECK_VALUE(candidates.device() == target.device(), op, ": candidates are on ", candidates.device(),
+  FK_CHECK_VALUE(nodes >= 1 && nodes <= 1024, op, ": between 1 and 1024 tree nodes, got ", nodes);
+  FK_CHECK_VALUE(vocab >= 1 && vocab < (int64_t(1) << 31), op, ": vocab must be between 1 and 2^31 - 1, got ", vocab);
+  FK_CHECK_VALUE(first_candidate == 0 || first_candidate == 1, op, ": first_candidate must be 0 or 1");
+  FK_CHECK_VALUE(candidates.device() == target.device(), op, ": candidates are on ", candidates.device(),
                     " but ", target_name, " is on ", target.device());
-  TORCH_CHECK_TYPE(candidates.scalar_type() == at::kInt, op, ": candidate token ids must be torch.int32, got ",
+  FK_CHECK_TYPE(candidates.scalar_type() == at::kInt, op, ": candidate token ids must be torch.int32, got ",
                    dtype_name(candidates.scalar_type()));
   const std::vector<int64_t> cand_shape{batch, nodes - first_candidate};
-  TORCH_CHECK_VALUE(candidates.sizes() == at::IntArrayRef(cand_shape) && (candidates.numel() == 0 || candidates.stride(1) == 1),
+  FK_CHECK_VALUE(candidates.sizes() == at::IntArrayRef(cand_shape) && (candidates.numel() == 0 || candidates.stride(1) == 1),
                     op, ": candidate token ids must have shape ", as_tuple(cand_shape), " (contiguous rows), got ",
                     as_tuple(candidates.sizes()));
   if (draft) {
-    TORCH_CHECK_VALUE(!greedy, op, ": greedy verification takes no draft probabilities");
+    FK_CHECK_VALUE(!greedy, op, ": greedy verification takes no draft probabilities");
     check_same(op, "draft_probs", *draft, target_name, target, /*same_shape=*/false);
-    TORCH_CHECK_VALUE(draft->dim() == 3 && draft->size(0) == batch && draft->size(1) >= nodes - 1 &&
+    FK_CHECK_VALUE(draft->dim() == 3 && draft->size(0) == batch && draft->size(1) >= nodes - 1 &&
                           draft->size(2) == vocab,
                       op, ": draft_probs must have shape (", batch, ", ", nodes - 1, ", ", vocab, ") or more nodes, got ",
                       as_tuple(draft->sizes()));
     check_last_dim_contiguous(op, "draft_probs", *draft);
   }
   if (parents) {
-    TORCH_CHECK_VALUE(parents->device() == target.device(), op, ": parents are on ", parents->device(), " but ",
+    FK_CHECK_VALUE(parents->device() == target.device(), op, ": parents are on ", parents->device(), " but ",
                       target_name, " is on ", target.device());
-    TORCH_CHECK_TYPE(parents->scalar_type() == at::kInt, op, ": parents must be torch.int32, got ",
+    FK_CHECK_TYPE(parents->scalar_type() == at::kInt, op, ": parents must be torch.int32, got ",
                      dtype_name(parents->scalar_type()));
-    TORCH_CHECK_VALUE((parents->dim() == 1 && parents->size(0) == nodes) ||
+    FK_CHECK_VALUE((parents->dim() == 1 && parents->size(0) == nodes) ||
                           (parents->dim() == 2 && parents->size(0) == batch && parents->size(1) == nodes),
                       op, ": parents must have shape (", nodes, ",) or (", batch, ", ", nodes, "), got ",
                       as_tuple(parents->sizes()));
-    TORCH_CHECK_VALUE(parents->size(-1) <= 1 || parents->stride(-1) == 1, op, ": parents must be contiguous in its last dimension");
+    FK_CHECK_VALUE(parents->size(-1) <= 1 || parents->stride(-1) == 1, op, ": parents must be contiguous in its last dimension");
   }
   const c10::DeviceGuard guard(target.device());
   const auto i32 = target.options().dtype(at::kInt);
