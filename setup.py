@@ -148,7 +148,7 @@ setup(
     cmdclass={"build_ext": BuildKernelsThenExtension.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["flashkern = flashkern.cli:main"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
+    install_requires=["torch>=2.11"],
     extras_require={
         "test": ["pytest", "numpy", "expecttest"],
         "bench": ["pytest-benchmark", "matplotlib"],
