@@ -1,6 +1,9 @@
 """Bad input raises TypeError or ValueError naming the argument and the value, on every device
 (the CPU reference and the fake functions check in Python, the GPU kernels in C++)."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import emulated, rand, requires_gpu
@@ -127,3 +130,18 @@ def test_backend_choice_errors(monkeypatch):
     with pytest.raises(RuntimeError, match=rf"FLASHKERN_BACKEND={other}, but this flashkern build has"):
         flashkern.set_backend(other)
     assert flashkern.get_backend() == "auto"
+
+
+def test_glue_formats_its_own_numbers():
+    """The C++ checks build their messages with message() (csrc/torch/glue/common.h) and never stream a
+    number through TORCH_CHECK's own c10::str: on the H200 image (torch 2.11, GCC 13.3) every check that
+    did crashed the process instead of raising."""
+    root = Path(__file__).resolve().parent.parent / "csrc" / "torch"
+    offenders = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in (".h", ".cpp"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(TORCH_CHECK\w*|c10::str)\(", line) and not line.startswith("#define FK_CHECK"):
+                offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
