@@ -95,9 +95,7 @@ def prefill_attention(q, k, v, causal=False, window_left=-1, logits_soft_cap=0.0
         hidden = j > i if causal else torch.zeros(qo_len, kv_len, dtype=torch.bool, device=q.device)
     if window_left >= 0:
         hidden = hidden | (j < i - window_left)
-    logits = logits.masked_fill(hidden[None], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [heads, qo_len]
-    weights = torch.exp(logits - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
+    weights, lse = softmax_state(logits.masked_fill(hidden[None], float("-inf")))  # lse [heads, qo_len]
     o = torch.einsum("hqk,khd->qhd", weights, v)
     return final_state(o, lse.transpose(0, 1), sinks, 1.0)
 
@@ -157,6 +155,18 @@ def read_plan(words):
         header[9]
     items = [w[start[k] : start[k] + ITEM_WORDS * count[k]].view(-1, ITEM_WORDS).tolist() for k in range(3)]
     return items, w[indptr_at : indptr_at + batch + 1].tolist(), w[indices_at : indices_at + states].tolist(), header[10]
+
+
+def softmax_state(logits):
+    """(weights, lse) of logits over the last dimension: exp(logit - max) / sum and max + log(sum), as the
+    kernels form them. Subtracting the max keeps float32's accuracy at logits far from zero; exp(logit -
+    lse) loses 0.2 % of a weight at logits near -46,000 (FlashInfer's issue 4450). A row of -inf: weights
+    0 and lse -inf."""
+    m = logits.amax(dim=-1, keepdim=True)
+    e = torch.exp(logits - torch.where(m == float("-inf"), 0.0, m))
+    total = e.sum(dim=-1, keepdim=True)
+    weights = e / torch.where(total == 0, 1.0, total)
+    return weights, (m + torch.log(total)).squeeze(-1)
 
 
 def soft_cap(logits, cap):
@@ -226,9 +236,7 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
             if mask >= 0:
                 bits = unpack_mask_bits(custom_mask, mask, n_q * length).view(n_q, length)
                 hidden |= ~bits[i][:, kv_begin:kv_end]
-            logits = logits.masked_fill(hidden[None], float("-inf"))
-            s = torch.logsumexp(logits, dim=-1)
-            weights = torch.exp(logits - torch.where(s == float("-inf"), 0.0, s)[..., None])  # a row seeing nothing: 0
+            weights, s = softmax_state(logits.masked_fill(hidden[None], float("-inf")))
             o = torch.einsum("hrn,nhd->hrd", weights, v)
             # a row writes only if its query sees the chunk (else it has no state here)
             sees = ((i + last + 1).clamp(max=kv_end) > (i + first).clamp(min=kv_begin))[None, :].expand_as(heads)
