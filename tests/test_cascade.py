@@ -91,9 +91,9 @@ def test_sinks(device):
 @pytest.mark.parametrize("group", [1, 5])
 def test_many_query_tokens_per_request(device, causal, group):
     """The last level with several query tokens per request (speculative verification, an append to a
-    shared prefix), causal or not; upper levels seen whole: 3, 1, 7 and 13 tokens over suffixes of 40,
-    1, 7 (as many as its queries) and 100 tokens."""
-    cascade(device, [[24], [3, 1, 7, 13]], [[300], [40, 1, 7, 100]], 2, group, 64, torch.bfloat16, seed=4,
+    shared prefix), causal or not; upper levels seen whole: 3, 1, 7, 13 and 9 tokens over suffixes of 40,
+    1, 7 (as many as its queries), 100 and 4 (fewer: causal, its first 5 queries see only the prefix)."""
+    cascade(device, [[33], [3, 1, 7, 13, 9]], [[300], [40, 1, 7, 100, 4]], 2, group, 64, torch.bfloat16, seed=4,
             min_chunk=64, causal=causal)
 
 

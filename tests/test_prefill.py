@@ -109,15 +109,15 @@ def packed_bits(masks):
                                             for m in masks]))
 
 
-QO_KV = [(7, 7), (129, 300), (1, 17), (0, 5), (64, 64), (3, 0)]  # ragged, an empty request of each kind
+# ragged, an empty request of each kind, more queries than keys (causal: its first 61 see nothing, as FlashInfer)
+QO_KV = [(7, 7), (129, 300), (1, 17), (0, 5), (64, 64), (3, 0), (70, 9)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_ragged_prefill(device, causal, group, dtype):
-    pairs = [(n, m) for n, m in QO_KV if not (causal and n > m)]
-    run_ragged(device, [n for n, _ in pairs], [m for _, m in pairs], 2, group, 128, dtype, causal=causal)
+    run_ragged(device, [n for n, _ in QO_KV], [m for _, m in QO_KV], 2, group, 128, dtype, causal=causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -209,7 +209,7 @@ def test_packing_matches_numpy():
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_prefill(device, page_size, kv_layout, causal):
-    qo_lens, kv_lens = [17, 1, 64, 0], [40, 1, 200, 9]
+    qo_lens, kv_lens = [17, 1, 64, 0, 30], [40, 1, 200, 9, 7]  # 30 queries over 7 keys: causal, 23 see none
     kvs = random_kv(kv_lens, 2, 64, 8)
     cache, kv_indptr, kv_indices, last = paged(kvs, page_size, kv_layout, torch.float16, device, seed=8)
     q = rand((sum(qo_lens), 6, 64), torch.float16, device, seed=9)
@@ -265,6 +265,18 @@ def test_single_prefill(device, dtype, kv_layout):
     assert_close(out, expected_batch(q, rounded(kvs, dtype), [30], masks=[mask])[0], dtype)
 
 
+@pytest.mark.parametrize("window_left", [-1, 3])
+def test_single_prefill_more_queries_than_keys(device, window_left):
+    """Causal, 40 queries over 12 keys: query i is token i - 28, so the first 28 see no key (0, lse -inf)."""
+    kvs = random_kv([12], 2, 64, 18)
+    q = rand((40, 8, 64), torch.bfloat16, device, seed=19)
+    k, v = ragged(kvs, torch.bfloat16, device)
+    out, lse = single_prefill_with_kv_cache(q, k, v, causal=True, window_left=window_left, return_lse=True)
+    expected = expected_batch(q, rounded(kvs, torch.bfloat16), [40], True, window_left)
+    check(out, lse, expected, torch.bfloat16)
+    assert bool((lse[:28] == float("-inf")).all()) and bool((out[:28] == 0).all())
+
+
 def test_decode_window_and_soft_cap(device):
     lengths = [50, 1, 300]
     kvs = random_kv(lengths, 2, 64, 17)
@@ -308,8 +320,6 @@ def test_bad_input():
         wrapper.plan(i32([0, 2]), i32([0, 3]), 4, 2, 64, custom_mask=torch.ones(5, dtype=torch.bool))
     with pytest.raises(ValueError, match="packed_custom_mask"):
         wrapper.plan(i32([0, 2]), i32([0, 3]), 4, 2, 64, packed_custom_mask=torch.ones(2, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="qo_len <= kv_len"):
-        wrapper.plan(i32([0, 4]), i32([0, 3]), 4, 2, 64, causal=True)
     with pytest.raises(ValueError, match="qo_indptr"):
         wrapper.plan(i32([0, 2, 4]), i32([0, 3]), 4, 2, 64)
     with pytest.raises(ValueError, match="head_dim_vo"):

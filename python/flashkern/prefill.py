@@ -143,10 +143,6 @@ class _Prefill:
         if int(qo_indptr[0]) != 0 or bool((qo_lens < 0).any()):
             raise ValueError(f"{op}: {names[0]} must start at 0 and be non-decreasing, got {qo_indptr.tolist()}")
         mask = checked_mask(op, custom_mask, packed_custom_mask, qo_lens, lengths) if qo_lens.numel() else None
-        if causal and mask is None and bool((qo_lens.long() > lengths).any()):
-            b = int(torch.nonzero(qo_lens.long() > lengths)[0])
-            raise ValueError(f"{op}: causal attention needs qo_len <= kv_len for every request; request {b} has "
-                             f"{int(qo_lens[b])} queries and {int(lengths[b])} keys")
         if mask is not None and not dry_run:
             mask = self._device_mask(op, mask)
         planned = self._core._plan(op, [(qo_indptr, kv_indptr, indices, last_page_len)], [device_indices],
@@ -508,8 +504,6 @@ def _single_prefill_reference(op, q, k, v, custom_mask, packed_custom_mask, caus
     mask = checked_mask(op, custom_mask, packed_custom_mask, *lens)
     if mask is not None:
         mask = ref.attention.unpack_mask_bits(mask, 0, qo_len * kv_len).view(qo_len, kv_len)
-    elif causal and qo_len > kv_len:
-        raise ValueError(f"{op}: causal attention needs qo_len <= kv_len, got {qo_len} queries and {kv_len} keys")
     check_window_left(op, window_left)
     sinks = sink_logits(op, sinks, q.shape[1], q.device)
     return ref.attention.prefill_attention(q, k, v, causal=causal, window_left=window_left,
