@@ -130,6 +130,23 @@ def test_unnormalized_and_large_rows(device):
     assert (top3 == samples.cpu().long()[:, None]).any(dim=1).all()
 
 
+def test_millions_of_samples_of_a_few_rows():
+    """5M samples over a 32K vocabulary through `indices` (three rows, top-k 40) on the reference: each
+    distribution is built once (as [5M, 32K] float64 it would be 1.3 TB). Only kept tokens, and each
+    row's token counts within 6 standard deviations of the renormalized top 40."""
+    vocab, n = 32000, 5_000_000
+    probs = torch.stack([distribution(vocab, seed=s, ties=False) for s in (7, 8, 9)])
+    indices = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    samples = flashkern.top_k_sampling_from_probs(probs, 40, indices=indices, seed=11, offset=0).long()
+    for row in range(3):
+        drawn = samples[indices == row]
+        expected = torch.where(kept(probs[row : row + 1], top_k=torch.tensor([40]))[0], probs[row].double(), 0.0)
+        expected = expected / expected.sum() * drawn.numel()
+        counts = torch.bincount(drawn, minlength=vocab).double()
+        assert counts[expected == 0].sum() == 0
+        assert ((counts - expected).abs() <= 6 * expected.sqrt() + 1).all()
+
+
 def test_seeds_repeat(device):
     """The same generator state, seed or offset gives the same tokens; another gives others."""
     probs = torch.stack([distribution(300, seed=s, ties=False) for s in range(8)]).to(device)

@@ -60,20 +60,50 @@ def draw(weights, generator):
     return torch.where(ok, index, -1)
 
 
-def sampling(probs, indices, filter, top_k, top_p, min_p, generator):
+def sampling(probs, indices, filter, top_k, top_p, min_p, generator, chunk_bytes=1 << 25):
     """The sampling op: (tokens, valid) for output rows probs[indices] (or probs); top_k / top_p /
     min_p are [batch] tensors or None per the filter ('none', 'top_k', 'top_p', 'min_p',
-    'top_k_top_p'); invalid rows (no mass, NaN, an index outside probs) give token 0."""
-    rows = probs.shape[0]
+    'top_k_top_p'); invalid rows (no mass, NaN, an index outside probs) give token 0.
+
+    Memory is bounded whatever the number of samples: the distributions are built once per distinct
+    (row, parameters), chunk_bytes of float64 at a time, and each sample draws from its own by one
+    search of a number drawn for it first (so the draws do not depend on the chunking)."""
+    rows, vocab = probs.shape
     index = torch.arange(rows) if indices is None else indices.long().cpu()
+    n = index.shape[0]
     inside = (index >= 0) & (index < rows)
-    p = _mass(probs.cpu())[index.clamp(0, max(rows - 1, 0))]
-    keep = kept(p, top_k if "top_k" in filter else None, top_p if "top_p" in filter else None,
-                min_p if filter == "min_p" else None)
-    token = draw(torch.where(keep, p, 0.0), generator)
+    u = torch.rand(n, dtype=torch.float64, generator=generator)
+    params = {"top_k": top_k if "top_k" in filter else None, "top_p": top_p if "top_p" in filter else None,
+              "min_p": min_p if filter == "min_p" else None}
+    columns = [index.clamp(0, max(rows - 1, 0)).double()] + [v.cpu().double() for v in params.values() if v is not None]
+    distinct, which = torch.unique(torch.stack(columns, 1), dim=0, return_inverse=True)
+    order = torch.argsort(which, stable=True)  # the samples grouped by their distribution
+    ends = torch.cumsum(torch.bincount(which, minlength=distinct.shape[0]), 0).tolist()
+    mass = _mass(probs.cpu())
+    token = torch.full((n,), -1, dtype=torch.long)
+    chunk = max(1, chunk_bytes // (8 * max(vocab, 1)))
+    for c0 in range(0, distinct.shape[0], chunk):
+        c1 = min(c0 + chunk, distinct.shape[0])
+        d = distinct[c0:c1]
+        columns = iter(d[:, 1:].unbind(1))
+        args = {name: next(columns) if v is not None else None for name, v in params.items()}
+        if args["top_k"] is not None:
+            args["top_k"] = args["top_k"].long()
+        p = mass[d[:, 0].long()]
+        weights = torch.where(kept(p, **args), p, 0.0)
+        cdf = torch.cumsum(weights, dim=1)
+        total = cdf[:, -1]
+        ok = (total > 0) & torch.isfinite(total)
+        # each distribution's cdf in [0, 1], shifted by its number: one sorted sequence for all of them
+        local = torch.arange(c1 - c0, dtype=torch.float64)[:, None]
+        flat = (cdf / torch.where(ok, total, 1.0)[:, None] + local).reshape(-1)
+        samples = order[(ends[c0 - 1] if c0 else 0) : ends[c1 - 1]]
+        r = which[samples] - c0
+        t = torch.searchsorted(flat, r + u[samples], right=True) - r * vocab
+        last_kept = vocab - 1 - torch.argmax(torch.flip(weights > 0, [1]).int(), dim=1)  # u near 1 may round past it
+        token[samples] = torch.where(ok[r], torch.minimum(t.clamp(min=0), last_kept[r]), -1)
     valid = (token >= 0) & inside
-    token = torch.where(valid, token, 0)
-    return token, valid
+    return torch.where(valid, token, 0), valid
 
 
 def renorm(input, kind, top_k=None, top_p=None):
