@@ -133,7 +133,7 @@ def decode_plan(lengths, budget, page_size=16, kv_heads=8, group=4, workspace=64
 @pytest.mark.parametrize("q_len", [2, 7])
 def test_queries_per_request_are_causal(q_len):
     """q_len_per_req: q_len queries a group at the last level, causal, covered like any group."""
-    lengths = [1, 700, 0, 5000, 33]
+    lengths = [q_len, 700, q_len + 1, 5000, 33]  # kv_len >= q_len_per_req, as plan() requires
     kv, last = [0], []
     for n in lengths:
         pages = -(-n // 16)

@@ -403,10 +403,10 @@ def test_split_options(device, split):
 @pytest.mark.parametrize("group", [1, 4, 8])  # 16-row tiles (q_len * group <= 16), 64-row tiles
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_q_len_per_req(device, group, q_len):
-    """Several query tokens per request, the request's last ones, causal among themselves: a request
-    shorter than q_len (its first tokens see nothing: 0 and LSE -inf), an empty one, a split one."""
+    """Several query tokens per request, the request's last ones, causal among themselves: a request of
+    exactly q_len tokens (its first query sees one key), a split one."""
     dtype = torch.bfloat16
-    lengths = [3, 37, 0, 700]
+    lengths = [q_len, 37, 5, 700]
     kvs = random_kv(lengths, 2, 64, seed=30)
     cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, device, seed=30)
     q = rand((len(lengths) * q_len, 2 * group, 64), dtype, device, seed=31)
@@ -417,16 +417,35 @@ def test_q_len_per_req(device, group, q_len):
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
     wrapper.run(q, cache, out=out, lse=lse, q_len_per_req=q_len)
     check(out, lse, causal_expected(q, rounded(kvs, dtype), q_len), dtype)
-    with pytest.raises(ValueError, match=rf"q must have the planned shape \({4 * q_len}, "):
+    with pytest.raises(ValueError, match="q_len_per_req"):  # FlashInfer's test matches this word
         wrapper.run(q[:-1], cache)
+
+
+def test_q_len_per_req_rejects_what_flashinfer_rejects(device):
+    """KV shorter than q_len_per_req (the verified tokens must be in the cache already), and a CUDA-graph
+    wrapper re-planned with another q_len_per_req: ValueError in FlashInfer's words."""
+    kvs = random_kv([3, 37], 2, 64, seed=32)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.bfloat16, device, seed=32)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    with pytest.raises(ValueError, match="empty KV range"):
+        wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.bfloat16, q_len_per_req=4)
+    wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.bfloat16, q_len_per_req=3)
+    buffers = {"paged_kv_indptr_buffer": torch.empty(3, dtype=torch.int32, device=device),
+               "paged_kv_indices_buffer": torch.empty(16, dtype=torch.int32, device=device),
+               "paged_kv_last_page_len_buffer": torch.empty(2, dtype=torch.int32, device=device)}
+    graph_wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device), use_cuda_graph=True, **buffers)
+    graph_wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.bfloat16, q_len_per_req=2)
+    graph_wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.bfloat16, q_len_per_req=2)
+    with pytest.raises(ValueError, match="frozen"):
+        graph_wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.bfloat16, q_len_per_req=3)
 
 
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_sinks(device, q_len):
     """A sink logit per head: one more term, of value zero, in each softmax, also for a request
-    without keys (out 0, lse = the sink), across split chunks, and in the lse."""
+    without keys (out 0, lse = the sink; one query a request only), across split chunks, and in the lse."""
     dtype = torch.float16
-    lengths = [1, 0, 40, 900]
+    lengths = [1, 0, 40, 900] if q_len == 1 else [3, 5, 40, 900]
     kvs = random_kv(lengths, 2, 128, seed=32)
     cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, device, seed=32)
     q = rand((len(lengths) * q_len, 8, 128), dtype, device, seed=33)

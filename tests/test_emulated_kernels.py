@@ -540,12 +540,13 @@ def test_cascade_kernels(attention_lib, group):
 def test_batch_attention_kernels_causal_queries(attention_lib, group, q_len):
     """q_len_per_req: each request's last q_len tokens as queries, causal among themselves, on the
     16-row tiles (q_len * group <= 16) and the 64-row ones (rows of one query straddling two tiles for
-    group 5): a request shorter than q_len, an empty one, a split one."""
+    group 5): a request of exactly q_len tokens, a split one (queries that see no key: the causal prefill
+    with more queries than keys)."""
     from paged_kv import causal_expected, paged, random_kv, rounded
 
     import flashkern
 
-    lengths, dtype = [3, 37, 0, 300], torch.float16
+    lengths, dtype = [q_len, 37, q_len + 1, 300], torch.float16
     kvs = random_kv(lengths, 2, 64, seed=40)
     cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, seed=40)
     q = rand((len(lengths) * q_len, 2 * group, 64), dtype, "cpu", seed=41)

@@ -147,6 +147,23 @@ def test_millions_of_samples_of_a_few_rows():
         assert ((counts - expected).abs() <= 6 * expected.sqrt() + 1).all()
 
 
+@pytest.mark.parametrize("op,param,value", [
+    (flashkern.min_p_sampling_from_probs, "min_p", 0.1), (flashkern.top_p_renorm_probs, "top_p", 0.5),
+    (flashkern.top_k_renorm_probs, "top_k", 10), (flashkern.top_k_sampling_from_probs, "top_k", 10)])
+def test_flashinfer_error_phrases(device, op, param, value):
+    """A per-row parameter tensor of the wrong rank or length: ValueError in the words FlashInfer's tests
+    match (tests/utils/test_sampling.py there)."""
+    probs = torch.softmax(torch.randn(5, 111, generator=torch.Generator().manual_seed(0)), -1).to(device)
+    dtype = torch.int32 if param == "top_k" else torch.float32
+    with pytest.raises(ValueError, match=r"Expected a 1D tensor or scalar.*got a 2D tensor"):
+        op(probs, torch.full((5, 111), value, dtype=dtype, device=device))
+    with pytest.raises(ValueError, match=r"Expected a 1D tensor of shape \(batch_size,\) or scalar.*got a "
+                                         r"0-dimensional tensor"):
+        op(probs, torch.tensor(value, dtype=dtype, device=device))
+    with pytest.raises(ValueError, match="Sampling parameter.*batch size mismatch"):
+        op(probs, torch.tensor([value], dtype=dtype, device=device))
+
+
 def test_seeds_repeat(device):
     """The same generator state, seed or offset gives the same tokens; another gives others."""
     probs = torch.stack([distribution(300, seed=s, ties=False) for s in range(8)]).to(device)

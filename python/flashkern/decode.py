@@ -91,8 +91,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         - ``q_len_per_req``: each request has that many query tokens, its last ones (speculative
           verification, MTP): q is ``[batch * q_len_per_req, num_qo_heads, head_dim]``, request b's
           tokens at rows ``b * q_len_per_req ...``, and token i of a request of ``kv_len`` tokens sees
-          the tokens ``j <= kv_len - q_len_per_req + i`` (causal). A token that sees none (kv_len <
-          q_len_per_req) gets 0 and LSE -inf.
+          the tokens ``j <= kv_len - q_len_per_req + i`` (causal). As in FlashInfer, every request must
+          hold its q_len_per_req tokens already (kv_len >= q_len_per_req: ValueError otherwise), and a
+          wrapper with ``use_cuda_graph=True`` keeps the q_len_per_req of its first plan.
         - ``seq_lens`` ``[batch]`` and ``block_tables`` ``[batch, max_pages]`` (int32): the page table
           in its fixed-width form, turned into CSR here; ``indptr``, ``indices`` and ``last_page_len``
           may then be None, and if given must describe the same pages (ValueError otherwise).
@@ -157,6 +158,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         indptr_h, batch = host_indptr(op, "indptr", indptr)
         last_h = host_int32(op, "last_page_len", last_page_len, batch)
         indices_h = host_int32(op, "indices", indices)
+        if q_len_per_req > 1 and batch:
+            pages = indptr_h[1:] - indptr_h[:-1]
+            shortest = int(torch.where(pages > 0, (pages - 1) * page_size + last_h, 0).min())
+            if shortest < q_len_per_req:  # FlashInfer's words, which its callers match on
+                raise ValueError(f"{op}: q_len_per_req={q_len_per_req} requires kv_len >= q_len_per_req for every "
+                                 f"request (the verified tokens must already be in the KV cache), but a request has "
+                                 f"kv_len={shortest}: its earlier rows would attend to an empty KV range")
+        frozen = getattr(self, "_q_len_per_req", None)
+        if self._core.is_cuda_graph_enabled and frozen is not None and frozen != q_len_per_req and not dry_run:
+            raise ValueError(f"{op}: q_len_per_req is part of the frozen CUDA-graph shape: this wrapper was planned "
+                             f"with {frozen}, got {q_len_per_req}; use a wrapper per q_len_per_req")
         indices_d = None if dry_run else self._device_indices(op, indices, indptr, last_page_len, batch)
         # request b's queries: rows b * q_len_per_req ... of q (None: one query a request)
         qo_h = None if q_len_per_req == 1 else torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req
@@ -168,7 +180,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    logits_soft_cap=logits_soft_cap, dry_run=dry_run)
         if dry_run:
             return planned
-        self._q_len_per_req = q_len_per_req
+        self._q_len_per_req, self._batch = q_len_per_req, batch
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
@@ -198,6 +210,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_len_per_req is not None and q_len_per_req != planned:
             raise ValueError(f"{op}: q_len_per_req={q_len_per_req!r} differs from the plan's {planned}; "
                              "plan again with it")
+        self._check_q_rows(op, q)
         out, lse = self._core._run(op, q, paged_kv_cache, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl)
         return (out, lse) if return_lse else out
 
@@ -223,8 +236,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  logits_soft_cap, sm_scale, rope_scale, rope_theta):
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
         self._core.check_window(op, window_left)
+        self._check_q_rows(op, q)
         return self._core._run(op, q, paged_kv_cache, None, None, None, q_scale, k_scale, v_scale, sm_scale,
                                logits_soft_cap=logits_soft_cap)
+
+    def _check_q_rows(self, op, q):
+        """q's rows against the plan's batch * q_len_per_req, in words that name q_len_per_req."""
+        q_len, batch = getattr(self, "_q_len_per_req", 1), getattr(self, "_batch", None)
+        if batch is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] != batch * q_len:
+            raise ValueError(f"{op}: q has {q.shape[0]} rows, but the plan's {batch} requests with "
+                             f"q_len_per_req={q_len} need batch * q_len_per_req = {batch * q_len}")
 
     def _device_indices(self, op, indices, indptr, last_page_len, batch):
         """kv_indices where the kernels read them: the fixed buffer under CUDA graphs (filled here)."""

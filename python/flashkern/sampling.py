@@ -56,9 +56,16 @@ def _random_args(op, device, generator, seed, offset, batch):
 def _row_param(op, name, value, batch, device):
     """A scalar (checked) or a [batch] tensor (converted to the kernel's dtype) -> (tensor or None, scalar)."""
     dtype = torch.int32 if name == "top_k" else torch.float32
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.shape[0] != batch:
-            raise ValueError(f"{op}: {name} must be a scalar or a tensor of shape ({batch},), got {tuple(value.shape)}")
+    if isinstance(value, torch.Tensor):  # FlashInfer's phrases, which its callers match on
+        if value.dim() == 0:
+            raise ValueError(f"{op}: Expected a 1D tensor of shape (batch_size,) or scalar for the sampling "
+                             f"parameter {name}, but got a 0-dimensional tensor")
+        if value.dim() > 1:
+            raise ValueError(f"{op}: Expected a 1D tensor or scalar for the sampling parameter {name}, but got a "
+                             f"{value.dim()}D tensor")
+        if value.shape[0] != batch:
+            raise ValueError(f"{op}: Sampling parameter tensor batch size mismatch: {name} has length "
+                             f"{value.shape[0]}, expected the batch size {batch}")
         if value.device != device:
             raise ValueError(f"{op}: {name} is on {value.device} but probs is on {device}")
         return value.to(dtype).contiguous(), 0
