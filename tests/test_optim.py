@@ -283,6 +283,24 @@ def test_no_upload_while_capturing(device):
     torch.ops.flashkern.grad_norm(grads, 2.0, None, False, table, host, False)  # unchanged: no upload needed
 
 
+def test_upload_that_raises_leaves_a_mirror_claiming_nothing(device):
+    """The host mirror is written after the copy to the device table: an upload whose copy raises (into
+    an inference tensor outside inference mode: torch copies, then refuses the version bump) leaves a
+    mirror that matches no entries, so the next call uploads again instead of trusting the table."""
+    if not (emulated(device) or device == "cuda"):
+        pytest.skip("the reference backend has no address table")
+    grads = [p.detach() for p in make_params(device)[:2]]
+    table = torch.zeros(2 * flashkern._C.OPTIM_TABLE_ENTRY_BYTES, dtype=torch.uint8, device=grads[0].device)
+    uploaded = torch.zeros_like(table, device="cpu")
+    torch.ops.flashkern.grad_norm(grads, 2.0, None, False, table, uploaded, True)  # the entries, once uploaded
+    with torch.inference_mode():
+        refused = torch.zeros_like(table)
+    mirror = torch.zeros_like(uploaded)
+    with pytest.raises(RuntimeError, match="inference"):
+        torch.ops.flashkern.grad_norm(grads, 2.0, None, False, refused, mirror, True)
+    assert uploaded.any() and not torch.equal(mirror, uploaded)
+
+
 def test_state_dict_moves_between_the_optimizers(device):
     steps = steps_for(device, 10)
     ours_p = make_params(device)
