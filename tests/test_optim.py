@@ -5,6 +5,8 @@ clipping on and off, 16-bit parameters with and without master weights, the eps 
 gradients, checkpoints moving between the two optimizers, a tiny model training."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -301,6 +303,77 @@ def test_upload_that_raises_leaves_a_mirror_claiming_nothing(device):
     assert uploaded.any() and not torch.equal(mirror, uploaded)
 
 
+class TableSpy:
+    """Records what each _Table.get hands out. take(), after the op: for each, (allow_upload, a weak
+    reference to the device table, its bytes and its host mirror's bytes then); no table is held after."""
+
+    def __init__(self, monkeypatch):
+        self.handed = []
+        get = flashkern.optim._Table.get
+
+        def spy(table, entries, device):
+            got = get(table, entries, device)
+            self.handed.append(got)
+            return got
+
+        monkeypatch.setattr(flashkern.optim._Table, "get", spy)
+
+    def take(self):
+        handed, self.handed = self.handed, []
+        return [(allow, weakref.ref(table), table.cpu().clone(), host.clone()) for table, host, allow in handed]
+
+
+def fake_capture(monkeypatch, capturing):
+    """The tables see a CUDA graph being captured (or not); the step itself runs, with uploads refused."""
+    monkeypatch.setattr(flashkern.optim, "_capturing", lambda device: capturing)
+
+
+def test_captured_tables_outlive_eager_steps(device, monkeypatch):
+    """Eager step, capture, an eager step with other gradient tensors: the tables the capture got are
+    still held, with the captured addresses, and the eager step uploads into tables of its own (it once
+    replaced a captured table and dropped it, so a replay read freed memory). A later capture with the
+    addresses of an earlier one shares its tables: repeated captures do not grow them."""
+    if not (emulated(device) or device == "cuda"):
+        pytest.skip("the reference backend has no address table")
+    params = make_params(device)[:3]
+    opt = AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], max_grad_norm=1.0)
+    spy = TableSpy(monkeypatch)
+    kept = []  # every gradient tensor used, so that no address is reused by a later one
+
+    def step(seed, capture=False, grads=None):
+        """A step with new gradient tensors (`grads`: these), or with the same ones under a capture."""
+        if capture:
+            for p, g in zip(params, gradients(seed, params)):
+                p.grad.copy_(g)
+        else:
+            grads = grads or [g.to(device=p.device, dtype=torch.float32)
+                              for p, g in zip(params, gradients(seed, params))]
+            for p, g in zip(params, grads):
+                p.grad = g
+            kept.append(grads)
+        fake_capture(monkeypatch, capture)
+        opt.step()
+        handed = spy.take()
+        assert len(handed) == 3 and all(allow is not capture for allow, *_ in handed)  # the norm, two groups
+        return handed
+
+    step(0)
+    first = step(1, capture=True)
+    eager = step(2)
+    gc.collect()
+    for (_, captured, data, host), (_, table, _, eager_host) in zip(first, eager):
+        assert captured() is not None, "a captured table was dropped by the eager step after the capture"
+        assert torch.equal(captured().cpu(), data) and torch.equal(host, data)  # neither rewritten
+        assert table() is not captured() and not torch.equal(eager_host, host)  # the new addresses, elsewhere
+    second = step(3, capture=True)  # the addresses of step 2: new tables for the graph
+    assert all(table() is not captured() for (_, table, *_), (_, captured, *_) in zip(second, first))
+    step(4, grads=kept[0])
+    third = step(5, capture=True)  # the addresses of the first capture: its tables
+    assert all(table() is captured() for (_, table, *_), (_, captured, *_) in zip(third, first))
+    tables = [*opt._norm_tables.values(), *opt._tables.values()]
+    assert len(tables) == 3 and all(len(t.captured) == 2 for t in tables)
+
+
 def test_state_dict_moves_between_the_optimizers(device):
     steps = steps_for(device, 10)
     ours_p = make_params(device)
@@ -434,3 +507,46 @@ def test_step_captured_in_a_cuda_graph():
     for p, q in zip(params, eager_p):
         assert torch.equal(p.detach(), q.detach())
     assert GPU
+
+
+def junk_over_freed_tables():
+    """Small allocations filled with 0xFF: a table freed while a graph still reads it (the caching
+    allocator's 512-byte blocks) would be handed to one of these, and a replay would follow its bytes."""
+    return [torch.full((512,), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
+
+
+@requires_gpu
+def test_eager_steps_between_capture_and_replays():
+    """Eager step, capture, an eager step with other gradient tensors, replays, another eager step, a
+    replay: each step equals an all-eager twin bit for bit and torch's AdamW + clip_grad_norm_ in
+    float64 (the eager step after a capture once freed the tables the graph reads: illegal addresses
+    or writes into other tensors)."""
+    params, twin_p = make_params("cuda"), make_params("cuda")
+    ref_p = [torch.nn.Parameter(p.detach().double().cpu()) for p in params]
+    opt, twin = AdamW(groups(params), max_grad_norm=50.0), AdamW(groups(twin_p), max_grad_norm=50.0)
+    theirs = torch.optim.AdamW(groups(ref_p))
+    static = [torch.zeros_like(p) for p in params]
+    graph, junk = torch.cuda.CUDAGraph(), []
+    for step, how in enumerate(["static", "capture", "eager", "replay", "replay", "eager", "replay"]):
+        grads = gradients(step, params)
+        for p, s, t, q, g in zip(params, static, twin_p, ref_p, grads):
+            s.copy_(g.float())
+            p.grad = s if how != "eager" else g.float().cuda()  # the graph reads `static`
+            t.grad, q.grad = g.float().cuda(), g.clone()
+        if how == "capture":
+            with torch.cuda.graph(graph):
+                opt.step()
+            continue  # a capture runs nothing
+        if how == "replay":
+            graph.replay()
+        else:
+            opt.step()
+        if how == "eager":
+            junk += junk_over_freed_tables()  # held through the replays that follow
+        twin.step()
+        torch.nn.utils.clip_grad_norm_(ref_p, 50.0)
+        theirs.step()
+        for p, t, q in zip(params, twin_p, ref_p):
+            assert torch.equal(p.detach(), t.detach()), (step, how)
+            torch.testing.assert_close(p.detach().double().cpu(), q.detach(), **FP32_TOL)
+    assert all(float(opt.state[p]["step"]) == 6.0 for p in params)

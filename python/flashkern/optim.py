@@ -24,8 +24,15 @@ on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
   1.0) says so; ``optimizer.grad_norm`` is the total norm before clipping. With
   ``error_if_nonfinite=True`` the step waits for the norm and raises RuntimeError (a host sync).
 - ``lr`` may be a float32 tensor on the parameters' device (read by the kernel: a captured step
-  follows a scheduler that writes it). A whole step can be captured in a CUDA graph once a first
-  step has run (the tensors' address table is uploaded when addresses change, not each step).
+  follows a scheduler that writes it). A whole step can be captured in a CUDA graph once an eager
+  step has run with the same tensors, gradients included (the tensors' address tables are uploaded
+  when addresses change, not each step, and never during a capture).
+- Tables and graphs: a table a capture used is never rewritten nor freed afterwards (the library
+  cannot see when a graph dies), so eager steps between replays are safe: the first eager call
+  after a capture uploads into a new table, and a later capture with the same addresses shares the
+  captured one. The optimizer keeps its tables (a graph of its step reads its state, so cannot
+  outlive it): one per param group and device and one for the norm per device, each two after a
+  capture. A table is 72 bytes a tensor.
 - Parameters of float32, float16 and bfloat16, mixed within a group; on any devices (each device's
   gradients get one norm launch; with several devices the norms are combined on the first one's,
   a host sync, as in torch); dense gradients (sparse ones raise ValueError); parameters without a
@@ -45,26 +52,49 @@ _ops = torch.ops.flashkern
 _ENTRY = _C.OPTIM_TABLE_ENTRY_BYTES
 
 
-class _Table:
-    """A device table of tensor addresses and its host copy (the op rewrites them when an address
-    changes, never while a CUDA graph is being captured). A table a graph has captured is left to it:
-    the next eager step gets a new one, so a replay keeps reading the addresses it was captured with."""
+def _capturing(device):
+    """Whether work on `device` is being captured into a CUDA graph (tests fake a capture here)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def __init__(self):
-        self.device = self.host = None
-        self.captured = False
+
+class _Table:
+    """The device table of tensor addresses an op reads, with its host mirror, as pairs (device, host).
+    Eager calls get the eager pair, which the op rewrites when an address changes. A capture gets a
+    pair that is never rewritten nor dropped afterwards, since the library cannot see when the graph
+    dies: one already captured with the bytes the last call left, else the pair the last call used,
+    which then leaves the eager role (the next eager call makes and uploads a new one). `captured`
+    may be shared between tables."""
+
+    def __init__(self, captured=None):
+        self.eager = self.latest = None  # latest: the pair of the last call, whose bytes a capture needs
+        self.captured = [] if captured is None else captured
 
     def get(self, entries, device):
         """(table, table_host, allow_upload) for an op over `entries` tensors on `device`."""
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         need = max(entries, 1) * _ENTRY
-        if (self.device is None or self.device.device != device or self.device.numel() < need
-                or (self.captured and not capturing)):
-            self.device = torch.zeros(need, dtype=torch.uint8, device=device)
-            self.host = torch.zeros(need, dtype=torch.uint8)
-            self.captured = False
-        self.captured |= capturing
-        return self.device, self.host, not capturing
+
+        def fits(pair):
+            return pair is not None and pair[0].device == device and pair[0].numel() >= need
+
+        def new():
+            return torch.zeros(need, dtype=torch.uint8, device=device), torch.zeros(need, dtype=torch.uint8)
+
+        if not _capturing(device):
+            if not fits(self.eager):
+                self.eager = new()
+            self.latest = self.eager
+            return *self.eager, True
+        latest = self.latest if fits(self.latest) else None
+        pair = None
+        if latest is not None:  # a captured pair with the same first `need` bytes serves as well as latest
+            pair = next((p for p in self.captured if fits(p) and torch.equal(p[1][:need], latest[1][:need])), None)
+        if pair is None:
+            pair = latest if latest is not None else new()  # new: no addresses, the op asks for an eager call
+            if pair is self.eager:
+                self.eager = None
+            self.captured.append(pair)
+        self.latest = pair
+        return *pair, False
 
 
 def _norm_type(op, norm_type):
