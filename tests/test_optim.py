@@ -374,6 +374,37 @@ def test_captured_tables_outlive_eager_steps(device, monkeypatch):
     assert len(tables) == 3 and all(len(t.captured) == 2 for t in tables)
 
 
+def test_clip_grad_norm_keeps_its_table(device, monkeypatch):
+    """clip_grad_norm_ keeps an address table per parameter list, so that a call can be captured after an
+    eager one (a new table each call never matched and was refused); the table a capture got outlives
+    the eager calls after it."""
+    if not (emulated(device) or device == "cuda"):
+        pytest.skip("the reference backend runs clip_grad_norm_ without a table")
+    params, others = make_params(device)[:3], make_params(device, seed=1)[:2]
+    spy = TableSpy(monkeypatch)
+
+    def clip(params, capture=False, new_grads=False):
+        if new_grads:
+            for p, g in zip(params, gradients(7, params)):
+                p.grad = g.to(device=p.device, dtype=torch.float32)
+        fake_capture(monkeypatch, capture)
+        flashkern.clip_grad_norm_(params, 1e9)
+        (handed,) = spy.take()
+        return handed
+
+    _, first, data, _ = clip(params, new_grads=True)
+    grads = [p.grad for p in params]  # held, so that no later gradient takes their addresses
+    _, again, again_data, _ = clip(iter(params))  # the same parameters, as a generator
+    assert first() is not None and again() is first() and torch.equal(again_data, data)
+    assert clip(others, new_grads=True)[1]() is not first()
+    allow, captured, captured_data, _ = clip(params, capture=True)
+    assert not allow and torch.equal(captured_data, data)
+    _, eager, eager_data, _ = clip(params, new_grads=True)
+    gc.collect()
+    assert captured() is not None and torch.equal(captured().cpu(), data)
+    assert eager() is not captured() and not torch.equal(eager_data, data) and len(grads) == 3
+
+
 def test_state_dict_moves_between_the_optimizers(device):
     steps = steps_for(device, 10)
     ours_p = make_params(device)
@@ -550,3 +581,35 @@ def test_eager_steps_between_capture_and_replays():
             assert torch.equal(p.detach(), t.detach()), (step, how)
             torch.testing.assert_close(p.detach().double().cpu(), q.detach(), **FP32_TOL)
     assert all(float(opt.state[p]["step"]) == 6.0 for p in params)
+
+
+@requires_gpu
+def test_clip_grad_norm_captured_in_a_cuda_graph():
+    """clip_grad_norm_ captured after an eager call, an eager call with other gradient tensors between,
+    then replays: each replay clips the static gradients as torch does."""
+    params = make_params("cuda")
+    ref_p = [torch.nn.Parameter(p.detach().double().cpu()) for p in params]
+    static = [torch.zeros_like(p) for p in params]
+
+    def load(step):
+        for p, s, q, g in zip(params, static, ref_p, gradients(step, params)):
+            s.copy_(g.float())
+            p.grad, q.grad = s, g.clone()
+
+    load(0)
+    flashkern.clip_grad_norm_(params, 3.0)  # uploads the address table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total = flashkern.clip_grad_norm_(params, 3.0)
+    for p, g in zip(params, gradients(9, params)):
+        p.grad = g.float().cuda()
+    flashkern.clip_grad_norm_(params, 3.0)
+    junk = junk_over_freed_tables()  # held through the replays
+    for step in (1, 2):
+        load(step)
+        graph.replay()
+        expected = torch.nn.utils.clip_grad_norm_(ref_p, 3.0)
+        torch.testing.assert_close(total.double().cpu(), expected, rtol=1e-6, atol=0)
+        for s, q in zip(static, ref_p):
+            torch.testing.assert_close(s.double().cpu(), q.grad, rtol=1e-6, atol=1e-9)
+    del junk

@@ -24,15 +24,16 @@ on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
   1.0) says so; ``optimizer.grad_norm`` is the total norm before clipping. With
   ``error_if_nonfinite=True`` the step waits for the norm and raises RuntimeError (a host sync).
 - ``lr`` may be a float32 tensor on the parameters' device (read by the kernel: a captured step
-  follows a scheduler that writes it). A whole step can be captured in a CUDA graph once an eager
-  step has run with the same tensors, gradients included (the tensors' address tables are uploaded
-  when addresses change, not each step, and never during a capture).
+  follows a scheduler that writes it). A whole step, or clip_grad_norm_, can be captured in a CUDA
+  graph once an eager call has run with the same tensors, gradients included (the tensors' address
+  tables are uploaded when addresses change, not each call, and never during a capture).
 - Tables and graphs: a table a capture used is never rewritten nor freed afterwards (the library
   cannot see when a graph dies), so eager steps between replays are safe: the first eager call
   after a capture uploads into a new table, and a later capture with the same addresses shares the
   captured one. The optimizer keeps its tables (a graph of its step reads its state, so cannot
   outlive it): one per param group and device and one for the norm per device, each two after a
-  capture. A table is 72 bytes a tensor.
+  capture. clip_grad_norm_ keeps a table per parameter list and device for the last 8, and the
+  captured ones for the life of the process. A table is 72 bytes a tensor.
 - Parameters of float32, float16 and bfloat16, mixed within a group; on any devices (each device's
   gradients get one norm launch; with several devices the norms are combined on the first one's,
   a host sync, as in torch); dense gradients (sparse ones raise ValueError); parameters without a
@@ -40,6 +41,7 @@ on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
   ``amsgrad`` and ``differentiable`` are not supported (ValueError).
 """
 
+import collections
 import functools
 import math
 
@@ -63,7 +65,7 @@ class _Table:
     pair that is never rewritten nor dropped afterwards, since the library cannot see when the graph
     dies: one already captured with the bytes the last call left, else the pair the last call used,
     which then leaves the eager role (the next eager call makes and uploads a new one). `captured`
-    may be shared between tables."""
+    may be shared between tables (clip_grad_norm_'s, kept by the module)."""
 
     def __init__(self, captured=None):
         self.eager = self.latest = None  # latest: the pair of the last call, whose bytes a capture needs
@@ -141,6 +143,22 @@ def _clip_coefficients(parts, norm_type, max_norm, per_tensor, tables):
     return total, coefs, [found_inf.to(device) for device, _ in parts]
 
 
+# clip_grad_norm_'s tables: the eager ones of the last _CLIP_LISTS parameter lists, by the parameters'
+# ids and the device (a list reusing a dead list's ids shares its table: the op compares addresses
+# before trusting it), and every one a capture got, kept for the life of the process, as its graph may be.
+_CLIP_LISTS = 8
+_clip_tables = collections.OrderedDict()
+_clip_captured = []
+
+
+def _clip_table(ids, device):
+    table = _clip_tables.pop((ids, device), None)
+    _clip_tables[ids, device] = table = table if table is not None else _Table(_clip_captured)
+    while len(_clip_tables) > _CLIP_LISTS:
+        _clip_tables.popitem(last=False)
+    return table
+
+
 def _nonfinite_error(norm_type):
     return RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
                         "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
@@ -152,16 +170,20 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     by min(1, max_norm / (total_norm + 1e-6)) (computed in float32; max_norm 0 zeroes them, as in
     torch) and returns the total norm (a device tensor, the gradients' promoted dtype, as torch).
     ``per_tensor=True`` scales each gradient by its own norm instead (the return value is still the
-    total). norm_type: any p > 0 or inf. ``foreach`` is accepted for torch's signature."""
+    total). norm_type: any p > 0 or inf. ``foreach`` is accepted for torch's signature. A call can be
+    captured in a CUDA graph after an eager one with the same parameters and gradients (the address
+    table of each parameter list is kept between calls)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     norm_type = _norm_type("clip_grad_norm_", norm_type)
     if not grads:
         return torch.tensor(0.0)
     parts = _by_device(grads)
+    ids = tuple(map(id, params))
     total, coefs, found_inf = _clip_coefficients(parts, norm_type, float(max_norm), per_tensor,
-                                                 lambda device, i: _Table())
+                                                 lambda device, i: _clip_table(ids, device))
     if error_if_nonfinite and bool(found_inf[0]):
         raise _nonfinite_error(norm_type)
     with torch.no_grad():
