@@ -5,6 +5,8 @@ clipping on and off, 16-bit parameters with and without master weights, the eps 
 gradients, checkpoints moving between the two optimizers, a tiny model training."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -283,6 +285,126 @@ def test_no_upload_while_capturing(device):
     torch.ops.flashkern.grad_norm(grads, 2.0, None, False, table, host, False)  # unchanged: no upload needed
 
 
+def test_upload_that_raises_leaves_a_mirror_claiming_nothing(device):
+    """The host mirror is written after the copy to the device table: an upload whose copy raises (into
+    an inference tensor outside inference mode: torch copies, then refuses the version bump) leaves a
+    mirror that matches no entries, so the next call uploads again instead of trusting the table."""
+    if not (emulated(device) or device == "cuda"):
+        pytest.skip("the reference backend has no address table")
+    grads = [p.detach() for p in make_params(device)[:2]]
+    table = torch.zeros(2 * flashkern._C.OPTIM_TABLE_ENTRY_BYTES, dtype=torch.uint8, device=grads[0].device)
+    uploaded = torch.zeros_like(table, device="cpu")
+    torch.ops.flashkern.grad_norm(grads, 2.0, None, False, table, uploaded, True)  # the entries, once uploaded
+    with torch.inference_mode():
+        refused = torch.zeros_like(table)
+    mirror = torch.zeros_like(uploaded)
+    with pytest.raises(RuntimeError, match="inference"):
+        torch.ops.flashkern.grad_norm(grads, 2.0, None, False, refused, mirror, True)
+    assert uploaded.any() and not torch.equal(mirror, uploaded)
+
+
+class TableSpy:
+    """Records what each _Table.get hands out. take(), after the op: for each, (allow_upload, a weak
+    reference to the device table, its bytes and its host mirror's bytes then); no table is held after."""
+
+    def __init__(self, monkeypatch):
+        self.handed = []
+        get = flashkern.optim._Table.get
+
+        def spy(table, entries, device):
+            got = get(table, entries, device)
+            self.handed.append(got)
+            return got
+
+        monkeypatch.setattr(flashkern.optim._Table, "get", spy)
+
+    def take(self):
+        handed, self.handed = self.handed, []
+        return [(allow, weakref.ref(table), table.cpu().clone(), host.clone()) for table, host, allow in handed]
+
+
+def fake_capture(monkeypatch, capturing):
+    """The tables see a CUDA graph being captured (or not); the step itself runs, with uploads refused."""
+    monkeypatch.setattr(flashkern.optim, "_capturing", lambda device: capturing)
+
+
+def test_captured_tables_outlive_eager_steps(device, monkeypatch):
+    """Eager step, capture, an eager step with other gradient tensors: the tables the capture got are
+    still held, with the captured addresses, and the eager step uploads into tables of its own (it once
+    replaced a captured table and dropped it, so a replay read freed memory). A later capture with the
+    addresses of an earlier one shares its tables: repeated captures do not grow them."""
+    if not (emulated(device) or device == "cuda"):
+        pytest.skip("the reference backend has no address table")
+    params = make_params(device)[:3]
+    opt = AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], max_grad_norm=1.0)
+    spy = TableSpy(monkeypatch)
+    kept = []  # every gradient tensor used, so that no address is reused by a later one
+
+    def step(seed, capture=False, grads=None):
+        """A step with new gradient tensors (`grads`: these), or with the same ones under a capture."""
+        if capture:
+            for p, g in zip(params, gradients(seed, params)):
+                p.grad.copy_(g)
+        else:
+            grads = grads or [g.to(device=p.device, dtype=torch.float32)
+                              for p, g in zip(params, gradients(seed, params))]
+            for p, g in zip(params, grads):
+                p.grad = g
+            kept.append(grads)
+        fake_capture(monkeypatch, capture)
+        opt.step()
+        handed = spy.take()
+        assert len(handed) == 3 and all(allow is not capture for allow, *_ in handed)  # the norm, two groups
+        return handed
+
+    step(0)
+    first = step(1, capture=True)
+    eager = step(2)
+    gc.collect()
+    for (_, captured, data, host), (_, table, _, eager_host) in zip(first, eager):
+        assert captured() is not None, "a captured table was dropped by the eager step after the capture"
+        assert torch.equal(captured().cpu(), data) and torch.equal(host, data)  # neither rewritten
+        assert table() is not captured() and not torch.equal(eager_host, host)  # the new addresses, elsewhere
+    second = step(3, capture=True)  # the addresses of step 2: new tables for the graph
+    assert all(table() is not captured() for (_, table, *_), (_, captured, *_) in zip(second, first))
+    step(4, grads=kept[0])
+    third = step(5, capture=True)  # the addresses of the first capture: its tables
+    assert all(table() is captured() for (_, table, *_), (_, captured, *_) in zip(third, first))
+    tables = [*opt._norm_tables.values(), *opt._tables.values()]
+    assert len(tables) == 3 and all(len(t.captured) == 2 for t in tables)
+
+
+def test_clip_grad_norm_keeps_its_table(device, monkeypatch):
+    """clip_grad_norm_ keeps an address table per parameter list, so that a call can be captured after an
+    eager one (a new table each call never matched and was refused); the table a capture got outlives
+    the eager calls after it."""
+    if not (emulated(device) or device == "cuda"):
+        pytest.skip("the reference backend runs clip_grad_norm_ without a table")
+    params, others = make_params(device)[:3], make_params(device, seed=1)[:2]
+    spy = TableSpy(monkeypatch)
+
+    def clip(params, capture=False, new_grads=False):
+        if new_grads:
+            for p, g in zip(params, gradients(7, params)):
+                p.grad = g.to(device=p.device, dtype=torch.float32)
+        fake_capture(monkeypatch, capture)
+        flashkern.clip_grad_norm_(params, 1e9)
+        (handed,) = spy.take()
+        return handed
+
+    _, first, data, _ = clip(params, new_grads=True)
+    grads = [p.grad for p in params]  # held, so that no later gradient takes their addresses
+    _, again, again_data, _ = clip(iter(params))  # the same parameters, as a generator
+    assert first() is not None and again() is first() and torch.equal(again_data, data)
+    assert clip(others, new_grads=True)[1]() is not first()
+    allow, captured, captured_data, _ = clip(params, capture=True)
+    assert not allow and torch.equal(captured_data, data)
+    _, eager, eager_data, _ = clip(params, new_grads=True)
+    gc.collect()
+    assert captured() is not None and torch.equal(captured().cpu(), data)
+    assert eager() is not captured() and not torch.equal(eager_data, data) and len(grads) == 3
+
+
 def test_state_dict_moves_between_the_optimizers(device):
     steps = steps_for(device, 10)
     ours_p = make_params(device)
@@ -416,3 +538,78 @@ def test_step_captured_in_a_cuda_graph():
     for p, q in zip(params, eager_p):
         assert torch.equal(p.detach(), q.detach())
     assert GPU
+
+
+def junk_over_freed_tables():
+    """Small allocations filled with 0xFF: a table freed while a graph still reads it (the caching
+    allocator's 512-byte blocks) would be handed to one of these, and a replay would follow its bytes."""
+    return [torch.full((512,), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
+
+
+@requires_gpu
+def test_eager_steps_between_capture_and_replays():
+    """Eager step, capture, an eager step with other gradient tensors, replays, another eager step, a
+    replay: each step equals an all-eager twin bit for bit and torch's AdamW + clip_grad_norm_ in
+    float64 (the eager step after a capture once freed the tables the graph reads: illegal addresses
+    or writes into other tensors)."""
+    params, twin_p = make_params("cuda"), make_params("cuda")
+    ref_p = [torch.nn.Parameter(p.detach().double().cpu()) for p in params]
+    opt, twin = AdamW(groups(params), max_grad_norm=50.0), AdamW(groups(twin_p), max_grad_norm=50.0)
+    theirs = torch.optim.AdamW(groups(ref_p))
+    static = [torch.zeros_like(p) for p in params]
+    graph, junk = torch.cuda.CUDAGraph(), []
+    for step, how in enumerate(["static", "capture", "eager", "replay", "replay", "eager", "replay"]):
+        grads = gradients(step, params)
+        for p, s, t, q, g in zip(params, static, twin_p, ref_p, grads):
+            s.copy_(g.float())
+            p.grad = s if how != "eager" else g.float().cuda()  # the graph reads `static`
+            t.grad, q.grad = g.float().cuda(), g.clone()
+        if how == "capture":
+            with torch.cuda.graph(graph):
+                opt.step()
+            continue  # a capture runs nothing
+        if how == "replay":
+            graph.replay()
+        else:
+            opt.step()
+        if how == "eager":
+            junk += junk_over_freed_tables()  # held through the replays that follow
+        twin.step()
+        torch.nn.utils.clip_grad_norm_(ref_p, 50.0)
+        theirs.step()
+        for p, t, q in zip(params, twin_p, ref_p):
+            assert torch.equal(p.detach(), t.detach()), (step, how)
+            torch.testing.assert_close(p.detach().double().cpu(), q.detach(), **FP32_TOL)
+    assert all(float(opt.state[p]["step"]) == 6.0 for p in params)
+
+
+@requires_gpu
+def test_clip_grad_norm_captured_in_a_cuda_graph():
+    """clip_grad_norm_ captured after an eager call, an eager call with other gradient tensors between,
+    then replays: each replay clips the static gradients as torch does."""
+    params = make_params("cuda")
+    ref_p = [torch.nn.Parameter(p.detach().double().cpu()) for p in params]
+    static = [torch.zeros_like(p) for p in params]
+
+    def load(step):
+        for p, s, q, g in zip(params, static, ref_p, gradients(step, params)):
+            s.copy_(g.float())
+            p.grad, q.grad = s, g.clone()
+
+    load(0)
+    flashkern.clip_grad_norm_(params, 3.0)  # uploads the address table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total = flashkern.clip_grad_norm_(params, 3.0)
+    for p, g in zip(params, gradients(9, params)):
+        p.grad = g.float().cuda()
+    flashkern.clip_grad_norm_(params, 3.0)
+    junk = junk_over_freed_tables()  # held through the replays
+    for step in (1, 2):
+        load(step)
+        graph.replay()
+        expected = torch.nn.utils.clip_grad_norm_(ref_p, 3.0)
+        torch.testing.assert_close(total.double().cpu(), expected, rtol=1e-6, atol=0)
+        for s, q in zip(static, ref_p):
+            torch.testing.assert_close(s.double().cpu(), q.grad, rtol=1e-6, atol=1e-9)
+    del junk

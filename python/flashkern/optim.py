@@ -24,8 +24,16 @@ on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
   1.0) says so; ``optimizer.grad_norm`` is the total norm before clipping. With
   ``error_if_nonfinite=True`` the step waits for the norm and raises RuntimeError (a host sync).
 - ``lr`` may be a float32 tensor on the parameters' device (read by the kernel: a captured step
-  follows a scheduler that writes it). A whole step can be captured in a CUDA graph once a first
-  step has run (the tensors' address table is uploaded when addresses change, not each step).
+  follows a scheduler that writes it). A whole step, or clip_grad_norm_, can be captured in a CUDA
+  graph once an eager call has run with the same tensors, gradients included (the tensors' address
+  tables are uploaded when addresses change, not each call, and never during a capture).
+- Tables and graphs: a table a capture used is never rewritten nor freed afterwards (the library
+  cannot see when a graph dies), so eager steps between replays are safe: the first eager call
+  after a capture uploads into a new table, and a later capture with the same addresses shares the
+  captured one. The optimizer keeps its tables (a graph of its step reads its state, so cannot
+  outlive it): one per param group and device and one for the norm per device, each two after a
+  capture. clip_grad_norm_ keeps a table per parameter list and device for the last 8, and the
+  captured ones for the life of the process. A table is 72 bytes a tensor.
 - Parameters of float32, float16 and bfloat16, mixed within a group; on any devices (each device's
   gradients get one norm launch; with several devices the norms are combined on the first one's,
   a host sync, as in torch); dense gradients (sparse ones raise ValueError); parameters without a
@@ -33,6 +41,7 @@ on multi-tensor kernels (csrc/include/flashkern/kernels/optim.cuh).
   ``amsgrad`` and ``differentiable`` are not supported (ValueError).
 """
 
+import collections
 import functools
 import math
 
@@ -45,26 +54,49 @@ _ops = torch.ops.flashkern
 _ENTRY = _C.OPTIM_TABLE_ENTRY_BYTES
 
 
-class _Table:
-    """A device table of tensor addresses and its host copy (the op rewrites them when an address
-    changes, never while a CUDA graph is being captured). A table a graph has captured is left to it:
-    the next eager step gets a new one, so a replay keeps reading the addresses it was captured with."""
+def _capturing(device):
+    """Whether work on `device` is being captured into a CUDA graph (tests fake a capture here)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def __init__(self):
-        self.device = self.host = None
-        self.captured = False
+
+class _Table:
+    """The device table of tensor addresses an op reads, with its host mirror, as pairs (device, host).
+    Eager calls get the eager pair, which the op rewrites when an address changes. A capture gets a
+    pair that is never rewritten nor dropped afterwards, since the library cannot see when the graph
+    dies: one already captured with the bytes the last call left, else the pair the last call used,
+    which then leaves the eager role (the next eager call makes and uploads a new one). `captured`
+    may be shared between tables (clip_grad_norm_'s, kept by the module)."""
+
+    def __init__(self, captured=None):
+        self.eager = self.latest = None  # latest: the pair of the last call, whose bytes a capture needs
+        self.captured = [] if captured is None else captured
 
     def get(self, entries, device):
         """(table, table_host, allow_upload) for an op over `entries` tensors on `device`."""
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         need = max(entries, 1) * _ENTRY
-        if (self.device is None or self.device.device != device or self.device.numel() < need
-                or (self.captured and not capturing)):
-            self.device = torch.zeros(need, dtype=torch.uint8, device=device)
-            self.host = torch.zeros(need, dtype=torch.uint8)
-            self.captured = False
-        self.captured |= capturing
-        return self.device, self.host, not capturing
+
+        def fits(pair):
+            return pair is not None and pair[0].device == device and pair[0].numel() >= need
+
+        def new():
+            return torch.zeros(need, dtype=torch.uint8, device=device), torch.zeros(need, dtype=torch.uint8)
+
+        if not _capturing(device):
+            if not fits(self.eager):
+                self.eager = new()
+            self.latest = self.eager
+            return *self.eager, True
+        latest = self.latest if fits(self.latest) else None
+        pair = None
+        if latest is not None:  # a captured pair with the same first `need` bytes serves as well as latest
+            pair = next((p for p in self.captured if fits(p) and torch.equal(p[1][:need], latest[1][:need])), None)
+        if pair is None:
+            pair = latest if latest is not None else new()  # new: no addresses, the op asks for an eager call
+            if pair is self.eager:
+                self.eager = None
+            self.captured.append(pair)
+        self.latest = pair
+        return *pair, False
 
 
 def _norm_type(op, norm_type):
@@ -111,6 +143,22 @@ def _clip_coefficients(parts, norm_type, max_norm, per_tensor, tables):
     return total, coefs, [found_inf.to(device) for device, _ in parts]
 
 
+# clip_grad_norm_'s tables: the eager ones of the last _CLIP_LISTS parameter lists, by the parameters'
+# ids and the device (a list reusing a dead list's ids shares its table: the op compares addresses
+# before trusting it), and every one a capture got, kept for the life of the process, as its graph may be.
+_CLIP_LISTS = 8
+_clip_tables = collections.OrderedDict()
+_clip_captured = []
+
+
+def _clip_table(ids, device):
+    table = _clip_tables.pop((ids, device), None)
+    _clip_tables[ids, device] = table = table if table is not None else _Table(_clip_captured)
+    while len(_clip_tables) > _CLIP_LISTS:
+        _clip_tables.popitem(last=False)
+    return table
+
+
 def _nonfinite_error(norm_type):
     return RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
                         "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
@@ -122,16 +170,20 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     by min(1, max_norm / (total_norm + 1e-6)) (computed in float32; max_norm 0 zeroes them, as in
     torch) and returns the total norm (a device tensor, the gradients' promoted dtype, as torch).
     ``per_tensor=True`` scales each gradient by its own norm instead (the return value is still the
-    total). norm_type: any p > 0 or inf. ``foreach`` is accepted for torch's signature."""
+    total). norm_type: any p > 0 or inf. ``foreach`` is accepted for torch's signature. A call can be
+    captured in a CUDA graph after an eager one with the same parameters and gradients (the address
+    table of each parameter list is kept between calls)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     norm_type = _norm_type("clip_grad_norm_", norm_type)
     if not grads:
         return torch.tensor(0.0)
     parts = _by_device(grads)
+    ids = tuple(map(id, params))
     total, coefs, found_inf = _clip_coefficients(parts, norm_type, float(max_norm), per_tensor,
-                                                 lambda device, i: _Table())
+                                                 lambda device, i: _clip_table(ids, device))
     if error_if_nonfinite and bool(found_inf[0]):
         raise _nonfinite_error(norm_type)
     with torch.no_grad():

@@ -63,7 +63,8 @@ int64_t total_chunks(const std::vector<fk::OptimTensor>& entries) {
 // The entries into the device table: compared with table_host (what the table holds), written to
 // both only when an address or size changed, so a fixed parameter set uploads once. The upload is
 // an asynchronous copy from a pinned staging buffer that the caching host allocator keeps until the
-// copy has run.
+// copy has run. table_host is cleared before the copy and written after it: a copy that raises
+// leaves a mirror that matches no entries, so the next call uploads again instead of trusting it.
 void upload_table(const char* op, const std::vector<fk::OptimTensor>& entries, Tensor& table, Tensor& table_host,
                   const Tensor& ref, bool allow_upload) {
   const int64_t bytes = int64_t(entries.size() * sizeof(fk::OptimTensor));
@@ -77,10 +78,11 @@ void upload_table(const char* op, const std::vector<fk::OptimTensor>& entries, T
   if (bytes == 0 || std::memcmp(table_host.const_data_ptr(), entries.data(), size_t(bytes)) == 0) return;
   FK_CHECK_VALUE(allow_upload, op, ": the tensors' addresses changed while a CUDA graph is being captured; run a "
                     "step eagerly with the same tensors (gradients included) before capturing");
-  std::memcpy(table_host.data_ptr(), entries.data(), size_t(bytes));
+  std::memset(table_host.data_ptr(), 0, size_t(bytes));  // no entry is zeros: an address, or wide if none
   Tensor staging = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(!table.device().is_cpu()));
   std::memcpy(staging.data_ptr(), entries.data(), size_t(bytes));
   table.narrow(0, 0, bytes).copy_(staging, /*non_blocking=*/true);
+  std::memcpy(table_host.data_ptr(), entries.data(), size_t(bytes));
 }
 
 fk::NormKind norm_kind(double p) {
