@@ -775,6 +775,12 @@ def renorm_bytes(batch, vocab, dtype):
     return 2 * batch * vocab * (torch.finfo(dtype).bits // 8)
 
 
+def softmax_bytes(batch, vocab, dtype):
+    """softmax: the logits read once, float32 probabilities written once (the kernel's second read of a
+    row is its own cost, mostly from L2)."""
+    return batch * vocab * (torch.finfo(dtype).bits // 8 + 4)
+
+
 def speculative_bytes(batch, shape):
     """Chain speculative sampling's minimum: at the first rejection the residual max(0, p - q) reads
     one full target row and one full draft row per request (speculative_inputs makes a rejection
@@ -911,6 +917,17 @@ MIN_P_SAMPLING = sampling_providers("min_p_sampling_from_probs", MIN_P, torch_fn
 TOP_K_RENORM = sampling_providers("top_k_renorm_probs", TOP_K, torch_fn=_torch_top_k_renorm)
 TOP_P_RENORM = sampling_providers("top_p_renorm_probs", TOP_P, torch_fn=_torch_top_p_renorm)
 TOP_K_MASK_LOGITS = sampling_providers("top_k_mask_logits", TOP_K, torch_fn=_torch_top_k_mask_logits)
+SOFTMAX_TEMPERATURE = 0.7
+SOFTMAX = sampling_providers("softmax", SOFTMAX_TEMPERATURE,
+                             torch_fn=lambda x, t: torch.softmax(x.float() / t, dim=-1))
+SOFTMAX.insert(2, Provider("torch.compile", lambda x: (lambda: _compiled_softmax()(x, SOFTMAX_TEMPERATURE))))
+_softmax_compiled = None
+
+
+def _compiled_softmax():
+    global _softmax_compiled
+    _softmax_compiled = _softmax_compiled or _compiled(lambda x, t: torch.softmax(x.float() / t, dim=-1))
+    return _softmax_compiled
 
 CHAIN_SPECULATIVE = [
     Provider("flashkern", lambda d, ids, t: (lambda: _flashkern().chain_speculative_sampling(d, ids, t)),

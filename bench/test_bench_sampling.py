@@ -5,6 +5,7 @@ cases.sampling_bytes, cases.speculative_bytes); µs per call under graph replay 
 draws its seed on the device, so a replay samples anew)."""
 
 import pytest
+import torch
 
 from . import cases
 from .cases import params
@@ -67,6 +68,17 @@ def test_renorm(benchmark, op, provider, label, batch, vocab, dtype):
     make_inputs = (cases.logits_inputs if op == "top_k_mask_logits" else cases.sampling_inputs)(batch, vocab)
     bench_op(benchmark, op=op, provider=provider, shape=(batch, vocab), dtype=dtype,
              bytes_moved=cases.renorm_bytes(batch, vocab, dtype), make_inputs=make_inputs)
+
+
+@pytest.mark.benchmark(group="softmax")
+@pytest.mark.parametrize(ARGS, params(cases.SOFTMAX, cases.sampling_shapes(),
+                                      dtypes=cases.SAMPLING_DTYPES + ([] if cases.BENCH_SET == "smoke" else
+                                                                      [torch.bfloat16])))
+def test_softmax(benchmark, provider, label, batch, vocab, dtype):
+    """FlashInfer's softmax at a temperature: float32 or bfloat16 logits in, float32 probabilities out."""
+    bench_op(benchmark, op="softmax", provider=provider, shape=(batch, vocab), dtype=dtype,
+             bytes_moved=cases.softmax_bytes(batch, vocab, dtype),
+             make_inputs=lambda seed: (cases.logits_inputs(batch, vocab)(seed)[0].to(dtype),))
 
 
 @pytest.mark.benchmark(group="chain_speculative_sampling")

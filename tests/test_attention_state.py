@@ -74,6 +74,9 @@ def test_empty_states_merge_exactly(device):
     v, s = flashkern.merge_states(stacked_v, stacked_s)
     assert_close(v, v_a.double())
     assert torch.equal(s, s_a)
+    v, s = flashkern.merge_states(stacked_v[:, :0], stacked_s[:, :0])  # no states at all: the empty state
+    assert v.shape == v_a.shape and s.shape == s_a.shape
+    assert torch.equal(v, torch.zeros_like(v_a)) and bool((s == NEG_INF).all())
 
 
 def test_nan_is_not_hidden(device):

@@ -281,6 +281,27 @@ def test_opcheck(device):
             (q, k, v, info["kv_indices"], wrapper._core._workspace, out, lse, info["grid"], info["sm_scale"]))
 
 
+def test_workspace_without_a_plan_is_refused(device):
+    """The low-level op given a workspace that holds no plan (zeros, random bytes, a plan for another batch):
+    ValueError where the workspace is host memory (the reference and the emulate backends); on a GPU,
+    reading it would cost a synchronization, and the caller's plan() is the contract."""
+    if str(device) != "cpu":
+        pytest.skip("a GPU's workspace is not read on the host")
+    wrapper, cache, _, q = planned(device)
+    info = wrapper._core._plan_info
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=device)
+    args = (q, cache[:, 0], cache[:, 1], info["kv_indices"])
+    torch.ops.flashkern.batch_attention(*args, wrapper._core._workspace, out, lse, info["grid"], info["sm_scale"])
+    foreign = [torch.zeros(1 << 20, dtype=torch.uint8),
+               torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))]
+    for workspace in foreign:
+        with pytest.raises(ValueError, match="the workspace holds no flashkern plan"):
+            torch.ops.flashkern.batch_attention(*args, workspace, out, lse, info["grid"], info["sm_scale"])
+    with pytest.raises(ValueError, match="the workspace holds no flashkern plan for 1 queries"):
+        torch.ops.flashkern.batch_attention(q[:1], *args[1:], wrapper._core._workspace, out[:1], lse[:1], info["grid"],
+                                            info["sm_scale"])
+
+
 def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()
     wrapper, cache, _, q = planned(device)
@@ -419,6 +440,33 @@ def test_q_len_per_req(device, group, q_len):
     check(out, lse, causal_expected(q, rounded(kvs, dtype), q_len), dtype)
     with pytest.raises(ValueError, match="q_len_per_req"):  # FlashInfer's test matches this word
         wrapper.run(q[:-1], cache)
+
+
+def test_wrappers_sharing_a_workspace(device):
+    """Two wrappers given one workspace_buffer (the plan lives in it): A.plan, B.plan, A.run raises instead of
+    running B's plan; after A plans again its run is right, and B's is refused."""
+    dtype, shared = torch.float16, workspace(device)
+    kvs = random_kv([30, 200], 2, 64, seed=40)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", dtype, device, seed=40)
+    q = rand((2, 8, 64), dtype, device, seed=41)
+    a, b = BatchDecodeWithPagedKVCacheWrapper(shared), BatchDecodeWithPagedKVCacheWrapper(shared)
+    a.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=dtype)
+    b.plan(indptr[:2], indices[: indptr[1]], last[:1], 8, 2, 64, 16, q_data_type=dtype)
+    with pytest.raises(ValueError, match="another wrapper planned into this workspace_buffer"):
+        a.run(q, cache)
+    a.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=dtype)
+    out, lse = a.run(q, cache, return_lse=True)
+    check(out, lse, [attention(q[i], k, v) for i, (k, v) in enumerate(rounded(kvs, dtype))], dtype)
+    with pytest.raises(ValueError, match="another wrapper planned"):
+        b.run(q[:1], cache)
+
+
+def test_page_tables_on_the_meta_device(device):
+    kvs = random_kv([30], 2, 64, seed=42)
+    _, indptr, indices, last = paged(kvs, 16, "NHD", torch.float16, device, seed=42)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    with pytest.raises(ValueError, match="meta device"):
+        wrapper.plan(indptr.to("meta"), indices, last, 8, 2, 64, 16, q_data_type=torch.float16)
 
 
 def test_q_len_per_req_rejects_what_flashinfer_rejects(device):

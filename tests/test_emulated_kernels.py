@@ -77,6 +77,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_launch_probe": [I, I, I, I],
         "emu_sampling": [P, P, P, L, L, P, L, I, L, F, F, L],
         "emu_renorm": [P, P, L, L, I, I, L, F],
+        "emu_softmax": [P, P, L, L, L, I, P, F, P],
         "emu_speculative": [P, P, P, P, P, I, P, P, P, L, I, L, I, I, L],
         "emu_grad_norm": [P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, F, I, F, I],
         "emu_adamw": [P, P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, P, D, D, D, F, D, P, I, P, I],
@@ -87,6 +88,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_char_p
+    lib.emu_softmax_chunks.argtypes, lib.emu_softmax_chunks.restype = [L], L
     return lib
 
 
@@ -689,6 +691,44 @@ def test_renorm_kernel(attention_lib, kind, dtype, vocab, rows=3):
                                    rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+# (dtype, vocab, row stride, offset of the first row in elements): a row of one chunk, exactly one, the
+# chunks of a 32K vocabulary, a tail past them, 16-bit rows whose starts fall anywhere (a scalar head),
+# rows one element into their buffer (input and output disagree on alignment: the scalar write path)
+SOFTMAX_CASES = [(torch.float32, 111, 111, 0), (torch.bfloat16, 4096, 4096, 0), (torch.float16, 32000, 32000, 0),
+                 (torch.float32, 20001, 20001, 0), (torch.bfloat16, 4099, 4099, 0), (torch.float32, 1030, 1031, 1),
+                 (torch.float16, 16390, 16400, 3)]
+
+
+def run_softmax(lib, x, temperature=None, t=1.0):
+    """x: a [rows, vocab] view (last dimension contiguous) -> the kernel's probabilities."""
+    rows, vocab = x.shape
+    out = torch.full((rows, vocab), float("nan"), dtype=torch.float32)
+    partial = torch.full((max(rows * lib.emu_softmax_chunks(vocab), 1), 2), float("nan"))  # ops.h: softmax_chunks
+    ok(lib.emu_softmax(ptr(out), ptr(x), ctypes.c_int64(rows), ctypes.c_int64(vocab), ctypes.c_int64(x.stride(0)),
+                       DTYPE[x.dtype], None if temperature is None else ptr(temperature), ctypes.c_float(t),
+                       ptr(partial)))
+    return out
+
+
+@pytest.mark.parametrize("dtype,vocab,stride,offset", SOFTMAX_CASES)
+def test_softmax_kernel(attention_lib, dtype, vocab, stride, offset, rows=3):
+    """Every path: one and several chunks, 16-byte bodies with scalar heads and tails, the scalar write;
+    -inf logits, a row of -inf only and a NaN (NaN rows, as torch.softmax), per-row temperatures."""
+    g = torch.Generator().manual_seed(vocab)
+    buf = (torch.randn(offset + rows * stride, generator=g, dtype=torch.float64) * 3).to(dtype)
+    x = buf[offset:].as_strided((rows, vocab), (stride, 1))
+    x[0, ::7] = float("-inf")
+    t = torch.tensor([0.7, 1.0, 2.5])[:rows]
+    out = run_softmax(attention_lib, x, t)
+    expected = ref.sampling.softmax(x, t)
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-5)
+    x[1] = float("-inf")
+    x[2, vocab // 2] = float("nan")
+    out = run_softmax(attention_lib, x, None, 0.5)
+    torch.testing.assert_close(out[0].double(), ref.sampling.softmax(x[:1], 0.5)[0], atol=1e-6, rtol=1e-5)
+    assert out[1:].isnan().all()
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sample", "sample_no_draft", "chain"])
 def test_speculative_kernel(attention_lib, mode, batch=3, vocab=1031):
     """Greedy: the reference walk exactly. Sampling: a path of the tree, candidates' tokens along it,
@@ -850,5 +890,7 @@ def test_every_kernel_and_path(attention_lib):
     test_sampling_kernel(lib, "top_k_top_p", 1031, rows=1)  # TSan pays per GPU thread: 1024 a block
     test_renorm_kernel(lib, "top_p_probs", torch.bfloat16, 1024, rows=1)
     test_speculative_kernel(lib, "sample", batch=1, vocab=1024)
+    test_softmax_kernel(lib, torch.bfloat16, 4099, 4099, 0)  # two chunks: their pairs merged
+    test_softmax_kernel(lib, torch.float32, 1030, 1031, 1)  # one chunk, scalar heads, the scalar write
     test_grad_norm_kernel(lib, 2.0, True)
     test_adamw_kernel(lib, MIXED, True, "global")

@@ -106,6 +106,21 @@ MUTANTS = {
         "return rest <= 0 ? 0 : (rest < kVec ? int(rest) + 1 : kVec);",
         "address", "test_rmsnorm_kernel_layouts and float16", r"AddressSanitizer: heap-buffer-overflow",
     ),
+    # softmax: a chunk's scalar tail reads one element past the chunk (past the row, for the last)
+    "softmax_tail_past_the_row": (
+        "include/flashkern/kernels/softmax.cuh",
+        "for (int64_t i = tail + threadIdx.x; i < b; i += kThreads) {\n    const float y[1]",
+        "for (int64_t i = tail + threadIdx.x; i <= b; i += kThreads) {\n    const float y[1]",
+        "address", "test_softmax_kernel and float32-20001", r"AddressSanitizer: heap-buffer-overflow",
+    ),
+    # softmax's two block reductions back to back: without the barrier before the second writes the
+    # shared scratch, a thread overwrites the maxima others are still reading
+    "softmax_reduction_race": (
+        "include/flashkern/kernels/block_reduce.cuh",
+        "  __syncthreads();  // a previous call's readers are done with scratch\n  if (lane == 0) {",
+        "  if (lane == 0) {",
+        "thread", "test_softmax_kernel and cuda and bfloat16-4099", r"ThreadSanitizer: data race",
+    ),
     "no_shared_memory_opt_in": (
         "include/flashkern/kernels/batch_attention.cuh",
         "const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);", "const gpuError_t e = gpuSuccess;",

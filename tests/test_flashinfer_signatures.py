@@ -94,6 +94,7 @@ FLASHINFER = {
     "min_p_sampling_from_probs": f"probs, min_p, {SAMPLE}",
     "top_k_top_p_sampling_from_probs": f"probs, top_k, top_p, {ORDERED}, return_valid=False",
     "top_k_top_p_sampling_from_logits": f"logits, top_k, top_p, {ORDERED}",
+    "softmax": "logits, temperature=None, enable_pdl=None",
     "top_k_renorm_probs": "probs, top_k, is_deterministic=False",
     "top_p_renorm_probs": "probs, top_p, is_deterministic=False",
     "top_k_mask_logits": "logits, top_k",

@@ -210,7 +210,17 @@ def test_bad_input():
         cache.start([1, 2.5])
     with pytest.raises(ValueError, match="positive"):
         PrefixCache(0, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        cache.start([5, -3, 2])
+    with pytest.raises(ValueError, match="non-negative"):
+        cache.start(torch.tensor([5, -1]))
+    with pytest.raises(ValueError, match="n must be a non-negative int"):
+        cache.allocate(-1)
     r = cache.start([1, 2, 3])
+    with pytest.raises(ValueError, match="non-negative"):
+        cache.append(r, -2)
+    with pytest.raises(ValueError, match="non-negative"):
+        cache.append(r, [4, -7])
     with pytest.raises(ValueError, match="not an allocated page"):
         cache.free([r.own[0], r.own[0]])
     with pytest.raises(ValueError, match="not an allocated page"):

@@ -195,6 +195,11 @@ def test_rope_bad_input(device):
         flashkern.apply_rope(q, k, torch.tensor([0.0, 4.0], device=device), torch.tensor([0], device=device))
     with pytest.raises(ValueError, match=r"indptr must have batch \+ 1 = 2 entries, got 3"):
         flashkern.apply_rope(q, k, torch.tensor([0, 2, 4], device=device), torch.tensor([0], device=device))
+    if str(device) == "cpu":  # checked without a device synchronization only (on a GPU: the caller's contract)
+        for bad in ([0, 3, 1, 4], [0, 2, 6], [1, 2, 4]):  # decreasing, past the tokens, not from 0
+            for fn in (flashkern.apply_rope, flashkern.apply_rope_inplace):
+                with pytest.raises(ValueError, match=r"indptr must start at 0, never decrease and end at the 4 tokens"):
+                    fn(q, k, torch.tensor(bad, device=device), torch.zeros(len(bad) - 1, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match=r"query must be \[tokens, heads \* 64\]"):
         flashkern.apply_rope_with_cos_sin_cache(pos, q.view(4, -1)[:, :100], k.view(4, -1), 64, torch.zeros(8, 64, device=device))
     with pytest.raises(TypeError, match=r"must be float32, got torch.float64"):

@@ -10,6 +10,7 @@ import torch
 from conftest import emulated, requires_gpu
 
 import flashkern
+from flashkern import ref
 from flashkern.ref.sampling import kept
 
 FILTERS = ["none", "top_k", "top_p", "min_p", "joint"]
@@ -176,26 +177,66 @@ def test_seeds_repeat(device):
     assert not torch.equal(a, draw(generator=torch.Generator(device).manual_seed(6)))
     b = draw(seed=123, offset=4)
     assert torch.equal(b, draw(seed=torch.tensor([123], device=device), offset=torch.tensor([4], device=device)))
-    per_row = draw(seed=torch.full((8,), 123, device=device), offset=torch.full((8,), 4, device=device))
-    assert torch.equal(b, per_row)
     assert not torch.equal(b, draw(seed=123, offset=5))
+    # a seed per row: each row's own stream (test_seed_per_row_is_a_request_of_its_own), repeatable
+    per_row = draw(seed=torch.arange(8, device=device) + 123, offset=torch.full((8,), 4, device=device))
+    assert torch.equal(per_row, draw(seed=torch.arange(8, device=device) + 123, offset=torch.full((8,), 4, device=device)))
+
+
+def test_seed_per_row_is_a_request_of_its_own(device):
+    """With a [batch] seed (a serving engine's per-request seeds), a row's token depends on its own seed,
+    offset and probabilities only: the same at any position, in any batch, alone."""
+    probs = torch.stack([distribution(300, seed=s, ties=False) for s in range(6)]).to(device)
+    seeds, offsets = torch.tensor([11, 22, 33, 44, 55, 66], device=device), torch.tensor([3, 1, 4, 1, 5, 9], device=device)
+
+    def draw(rows):
+        return flashkern.top_p_sampling_from_probs(probs[rows], 0.9, seed=seeds[rows], offset=offsets[rows]).cpu()
+
+    tokens = draw([0, 1, 2, 3, 4, 5])
+    order = [4, 2, 5, 0, 3, 1]
+    assert torch.equal(draw(order), tokens[order])
+    assert torch.equal(draw([3, 1]), tokens[[3, 1]])
+    assert int(draw([2])[0]) == int(tokens[2])
+    target = torch.softmax(torch.randn(6, 4, 50, generator=torch.Generator().manual_seed(7)), -1).to(device)
+    draft = torch.softmax(torch.randn(6, 3, 50, generator=torch.Generator().manual_seed(8)), -1).to(device)
+    ids = torch.randint(0, 50, (6, 3), dtype=torch.int32, generator=torch.Generator().manual_seed(9)).to(device)
+
+    def chain(rows):
+        return flashkern.chain_speculative_sampling(draft[rows], ids[rows], target[rows], seed=seeds[rows],
+                                                    offset=offsets[rows])[0].cpu()
+
+    assert torch.equal(chain(order), chain(list(range(6)))[order])
 
 
 def test_invalid_rows(device):
-    """No mass, NaN, inf or an index outside probs: token 0 and valid False; check_nan raises."""
+    """No mass, NaN (a whole row, or one probability of a good row), inf or an index outside probs: token 0
+    and valid False, on every backend; check_nan raises."""
+    one_nan = distribution(64, seed=2)
+    one_nan[17] = float("nan")
     probs = torch.stack([distribution(64, seed=1), torch.zeros(64), torch.full((64,), float("nan")),
-                         torch.full((64,), float("inf"))]).to(device)
+                         torch.full((64,), float("inf")), one_nan]).to(device)
     for fn in (lambda **kw: flashkern.sampling_from_probs(probs, **kw),
                lambda **kw: flashkern.top_k_sampling_from_probs(probs, 3, **kw),
-               lambda **kw: flashkern.top_p_sampling_from_probs(probs, 0.5, **kw)):
+               lambda **kw: flashkern.top_p_sampling_from_probs(probs, 0.5, **kw),
+               lambda **kw: flashkern.min_p_sampling_from_probs(probs, 0.1, **kw)):
         samples, valid = fn(return_valid=True, seed=1, offset=0)
-        assert valid.tolist() == [True, False, False, False]
-        assert samples[1:].tolist() == [0, 0, 0]
+        assert valid.tolist() == [True, False, False, False, False]
+        assert samples[1:].tolist() == [0, 0, 0, 0]
     samples, valid = flashkern.sampling_from_probs(probs, indices=torch.tensor([0, 9, -1], device=device),
                                                    return_valid=True, seed=1, offset=0)
     assert valid.tolist() == [True, False, False] and samples[1:].tolist() == [0, 0]
     with pytest.raises(ValueError, match="NaN"):
         flashkern.sampling_from_probs(probs, check_nan=True)
+
+
+def test_negative_probabilities_count_as_zero(device):
+    """A negative probability is no mass (the module docstring): never drawn, on every backend."""
+    p = distribution(50, seed=4, ties=False)
+    p[::3] = -p[::3]
+    n = 3000 if not emulated(device) else 60
+    samples = flashkern.sampling_from_probs(p[None].to(device), indices=torch.zeros(n, dtype=torch.int32, device=device),
+                                            seed=5, offset=0)
+    assert not bool((p[samples.cpu().long()] <= 0).any())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -249,6 +290,13 @@ def test_top_k_first_and_logits(device):
         assert emulated(device) or chi2_pvalue(counts, expected) > 1e-3
     samples = flashkern.sampling_from_logits(logits[None].to(device), indices=indices, generator=gen.manual_seed(3))
     assert emulated(device) or chi2_pvalue(torch.bincount(samples.cpu().long(), minlength=vocab), probs) > 1e-3
+    bad = torch.stack([logits, torch.full((vocab,), float("nan"))]).to(device)  # return_valid, as the probs functions
+    for order in ("top_k_first", "joint"):
+        _, valid = flashkern.top_k_top_p_sampling_from_logits(bad, 6, 0.7, filter_apply_order=order, seed=1, offset=0,
+                                                              return_valid=True)
+        assert valid.tolist() == [True, False], order
+    samples, valid = flashkern.sampling_from_logits(bad, seed=1, offset=0, return_valid=True)
+    assert valid.tolist() == [True, False] and samples[1] == 0
 
 
 def test_bad_input(device):
@@ -267,7 +315,7 @@ def test_bad_input(device):
         flashkern.sampling_from_probs(probs.long())
     with pytest.raises(ValueError, match="2-D"):
         flashkern.sampling_from_probs(probs[0])
-    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"top_k has length 3, expected the batch size 4"):
         flashkern.top_k_sampling_from_probs(probs, torch.ones(3, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="filter_apply_order"):
         flashkern.top_k_top_p_sampling_from_probs(probs, 3, 0.5, filter_apply_order="top_p_first")
@@ -317,3 +365,100 @@ def test_cuda_graph_replay_draws_new_tokens():
     for d in draws:
         assert keep[torch.arange(256), d.cpu().long()].all()
 
+
+
+# ---------------------------------------------------------------- softmax
+
+# FlashInfer's grid (batch 1 / 99 / 989, vocab 111 / 32000 / 128256) where a GPU runs it; a float64 reference on
+# the CPU and the emulated 256-thread blocks take smaller batches of the same vocabularies, plus a tail of chunks
+SOFTMAX_SHAPES = [(1, 111), (99, 111), (3, 32000), (2, 128256), (5, 4097)]
+SOFTMAX_GPU_SHAPES = [(b, v) for b in (1, 99, 989) for v in (111, 32000, 128256)]
+
+
+def logits_like_flashinfer(batch, vocab, kind, seed):
+    """FlashInfer's test distributions: normal noise of std 1 or 5, Gumbel noise of beta 0.1."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gumbel":
+        u = torch.rand(batch, vocab, generator=g)
+        return torch.log(-torch.log(u + 1e-20) + 1e-20) / 0.1
+    return torch.randn(batch, vocab, generator=g) * (5.0 if kind == "normal5" else 1.0)
+
+
+@pytest.mark.parametrize("kind", ["normal1", "normal5", "gumbel"])
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.1])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("neg_inf", [False, True])
+def test_softmax(device, kind, temperature, per_row, neg_inf):
+    """flashkern.softmax against float64 softmax(logits / t) (FlashInfer's test_softmax: its distributions,
+    temperatures, per-row temperature tensors and logits set to -inf at random)."""
+    if emulated(device) and (kind, temperature) != ("normal1", 0.5):
+        pytest.skip("emulated: one distribution and temperature (every kernel path: test_emulated_kernels.py)")
+    shapes = SOFTMAX_GPU_SHAPES if device == "cuda" else [(1, 111), (3, 4099)] if emulated(device) else SOFTMAX_SHAPES
+    for i, (batch, vocab) in enumerate(shapes):
+        logits = logits_like_flashinfer(batch, vocab, kind, seed=i)
+        if neg_inf:
+            g = torch.Generator().manual_seed(100 + i)
+            hidden = torch.randperm(logits.numel(), generator=g)[: int(torch.randint(0, logits.numel() - 1, (),
+                                                                                     generator=g))]
+            logits.view(-1)[hidden] = float("-inf")
+            logits[:, 0] = 0.0  # no row of -inf only (that row is NaN: test_softmax_edges)
+        t = torch.full((batch,), temperature) if per_row else temperature
+        probs = flashkern.softmax(logits.to(device), t.to(device) if per_row else t)
+        assert probs.dtype == torch.float32 and probs.shape == logits.shape
+        torch.testing.assert_close(probs.double().cpu(), ref.sampling.softmax(logits, t), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_softmax_edges(device, dtype):
+    """16-bit logits read as they are; rows strided and starting anywhere (the scalar heads); a row of -inf
+    only, a NaN, a +inf: NaN rows, as torch.softmax; per-row temperatures; None is 1."""
+    vocab = 4099 if not emulated(device) else 1031
+    buf = torch.randn(4 * (vocab + 5) + 3, generator=torch.Generator().manual_seed(1)).to(dtype) * 4
+    x = buf[3:].view(4, vocab + 5)[:, :vocab]  # strided rows, the first one element off 16 bytes for 16-bit dtypes
+    x[1] = float("-inf")
+    x[2, 5] = float("nan")
+    x[3, 7] = float("inf")
+    t = torch.tensor([0.3, 1.0, 2.0, 4.0])
+    probs = flashkern.softmax(x.to(device), t.to(device)).cpu()
+    torch.testing.assert_close(probs[0].double(), ref.sampling.softmax(x[:1], t[:1])[0], atol=1e-6, rtol=1e-5)
+    assert probs[1:].isnan().all()
+    one = flashkern.softmax(x[:1].to(device)).cpu()
+    torch.testing.assert_close(one.double(), ref.sampling.softmax(x[:1], 1.0), atol=1e-6, rtol=1e-5)
+    assert flashkern.softmax(x[:0].to(device)).shape == (0, vocab)
+
+
+def test_softmax_rows_do_not_depend_on_the_batch(device):
+    """A row's probabilities are the same bits alone, in another batch, at another position (chunks are
+    fixed by the vocabulary, never by the batch)."""
+    vocab = 20001 if not emulated(device) else 5000
+    x = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2)).to(device) * 3
+    whole = flashkern.softmax(x, 0.8)
+    assert torch.equal(flashkern.softmax(x[[4, 1, 2]], 0.8), whole[[4, 1, 2]])
+    assert torch.equal(flashkern.softmax(x[3:4], 0.8), whole[3:4])
+
+
+def test_softmax_bad_input(device):
+    x = torch.randn(3, 50, device=device)
+    with pytest.raises(ValueError, match=r"softmax: logits must be 2-D"):
+        flashkern.softmax(x[0])
+    with pytest.raises(TypeError, match=r"softmax: logits must be float16, bfloat16 or float32"):
+        flashkern.softmax(x.double())
+    with pytest.raises(ValueError, match=r"temperature must be a finite float32 number > 0"):
+        flashkern.softmax(x, 0.0)
+    with pytest.raises(ValueError, match=r"temperature must be a finite float32 number > 0"):
+        flashkern.softmax(x, 1e300)
+    with pytest.raises(ValueError, match=r"Sampling parameter tensor batch size mismatch"):
+        flashkern.softmax(x, torch.ones(2, device=device))
+    with pytest.raises(ValueError, match=r"contiguous in its last dimension"):
+        flashkern.softmax(x.t())
+    with pytest.raises(TypeError, match=r"enable_pdl"):
+        flashkern.softmax(x, enable_pdl=1)
+
+
+def test_softmax_opcheck_and_compile():
+    from torch.library import opcheck
+
+    x = torch.randn(3, 50)
+    opcheck(torch.ops.flashkern.softmax.default, (x, torch.full((3,), 0.7), 1.0, False))
+    compiled = torch.compile(lambda x: flashkern.softmax(x, 0.5), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), flashkern.softmax(x, 0.5))

@@ -168,6 +168,17 @@ def test_bad_input(device):
         flashkern.chain_speculative_sampling(target[:, :2], cand[:, :3], target)
     with pytest.raises(TypeError, match="int32"):
         flashkern.chain_speculative_sampling(target[:, :3], cand[:, :3].float(), target)
+    with pytest.raises(TypeError, match="maybe_output_accepted_token_num must be int32"):
+        flashkern.chain_speculative_sampling(target[:, :3], cand[:, :3], target,
+                                             torch.zeros(2, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="maybe_output_emitted_draft_token_num must have shape"):
+        flashkern.chain_speculative_sampling(target[:, :3], cand[:, :3], target, None,
+                                             torch.zeros(3, dtype=torch.int32, device=device))
+    if str(device) == "cpu":  # checked without a device synchronization only (on a GPU: a rejection)
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab=16\), got 16"):
+            flashkern.chain_speculative_sampling(target[:, :3], cand[:, :3] + 16, target)
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab=16\), got -1"):
+            spec.verify_tree_greedy(cand - 1, [-1, 0, 0, 1], target)
 
 
 def test_opcheck():

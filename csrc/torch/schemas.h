@@ -58,6 +58,9 @@ inline void define_schemas(torch::Library& m) {
   // kind 'top_k_probs' / 'top_p_probs': keep the top-k / top-p probabilities and renormalize;
   // 'top_k_logits': the others become -inf
   m.def("renorm(Tensor input, str kind, Tensor? top_k_arr, int top_k, Tensor? top_p_arr, float top_p) -> Tensor");
+  // softmax(logits / temperature) per row of logits [rows, vocab], as float32 probabilities; the
+  // temperature a [rows] float32 tensor or one value
+  m.def("softmax(Tensor logits, Tensor? temperature_arr, float temperature, bool enable_pdl) -> Tensor");
   // speculative verification along a tree of candidates (ops.h: SpeculativeParams); mode 'greedy'
   // (target logits) or 'sample' (target, and draft, probabilities); parents None: a chain.
   // Returns tokens [batch, nodes] and accepted nodes [batch, nodes - 1] (-1 padded), the number

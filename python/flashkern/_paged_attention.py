@@ -9,6 +9,7 @@ wrote last) and traced by torch.compile.
 Order in this file: the shared wrapper base, CPU reference registration, fake function.
 """
 
+import itertools
 import math
 
 import torch
@@ -164,6 +165,8 @@ def host_int32(op, name, t, length=None):
         raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{op}: {name} must have {length} entries, got {t.shape[0]}")
+    if t.device.type == "meta":
+        raise ValueError(f"{op}: {name} is on the meta device; plan() reads the page tables' values")
     return t.to("cpu").contiguous()  # a device tensor costs one synchronization here, in plan()
 
 
@@ -225,6 +228,12 @@ def csr_page_table(op, indptr, indices, last_page_len, block_tables, seq_lens, p
     return new_indptr, new_indices, new_last
 
 
+# The plan each workspace holds (by the address it starts at): a wrapper's run() checks that it is still its
+# own, since two wrappers may be given one buffer and the plan lives in it.
+_WORKSPACE_PLANS = {}
+_plan_numbers = itertools.count(1)
+
+
 class PagedAttention:
     """What the wrappers share: the workspace, the plan in it, and run()."""
 
@@ -252,6 +261,7 @@ class PagedAttention:
             raise ValueError(f"{op}: workspace_buffer must stay on {self._device}, got {workspace_buffer.device}")
         self._workspace = workspace_buffer.view(torch.uint8)
         self._device = workspace_buffer.device
+        self._workspace_key = (str(self._device), workspace_buffer.data_ptr())
         self._plan_info = None
 
     @staticmethod
@@ -320,6 +330,7 @@ class PagedAttention:
             plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
             item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
         self._workspace[: 4 * words].view(torch.int32).copy_(payload[:words], non_blocking=True)
+        self._plan_number = _WORKSPACE_PLANS[self._workspace_key] = next(_plan_numbers)
         if self._use_cuda_graph:  # the captured launch must not depend on the plan
             grid = [self._cta_budget if k in possible_kinds else 0 for k in range(3)] + [1]
         else:
@@ -346,6 +357,10 @@ class PagedAttention:
         info = self._plan_info
         if info is None:
             raise RuntimeError(f"{op}: call plan() before run()")
+        if not torch.compiler.is_compiling() and _WORKSPACE_PLANS.get(self._workspace_key) != self._plan_number:
+            raise ValueError(f"{op}: another wrapper planned into this workspace_buffer after this wrapper's plan(); "
+                             "wrappers that share a workspace must each plan() again before their run() (or use a "
+                             "workspace each)")
         check_tensor(op, "q", q)
         expected = (info["batch"], info["num_qo_heads"], info["head_dim"])
         if tuple(q.shape) != expected:
@@ -420,6 +435,8 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
                logits_soft_cap=0.0):
     """ref.batch_attention on the plan and the partial-state buffers of a workspace."""
     batch, heads, head_dim = q.shape
+    head = workspace[:64]
+    ref.attention.check_plan_header(head[: head.numel() // 4 * 4].view(torch.int32).cpu(), batch)  # before the layout
     int_words, _, slots, s_at, v_at = _C.workspace_layout(workspace.numel(), batch, heads, head_dim)
     partial_s = workspace[s_at : s_at + 4 * slots * heads].view(torch.float32).view(slots, heads)
     partial_v = workspace[v_at : v_at + 4 * slots * heads * head_dim].view(torch.float32).view(slots, heads, head_dim)

@@ -373,6 +373,20 @@ def check_renorm(input, kind, top_k_arr, top_p_arr):
     check_row_param(op, "top_p", top_p_arr, input, input.shape[0], torch.float32)
 
 
+def check_softmax(logits, temperature_arr, temperature):
+    op = "softmax"
+    check_tensor(op, "logits", logits)
+    if logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: logits must be float16, bfloat16 or float32, got {logits.dtype}")
+    if logits.dim() != 2:
+        raise ValueError(f"{op}: logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+    check_last_dim_contiguous(op, "logits", logits)
+    check_row_param(op, "temperature", temperature_arr, logits, logits.shape[0], torch.float32)
+    t = torch.tensor(temperature, dtype=torch.float32)  # the kernel's float
+    if not (bool(torch.isfinite(t)) and float(t) > 0):
+        raise ValueError(f"{op}: temperature must be a finite float32 number > 0, got {temperature!r}")
+
+
 def check_speculative(target, draft, candidates, first_candidate, parents, mode, seed_arr, offset_arr):
     op = "verify_tree_greedy" if mode == "greedy" else "speculative_sampling"
     if mode not in ("greedy", "sample"):

@@ -108,6 +108,8 @@ class PrefixCache:
 
     def allocate(self, n):
         """n free pages, evicting unreferenced cached leaves (least recently used first) if needed."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"PrefixCache.allocate: n must be a non-negative int, got {n!r}")
         if n > len(self._free):
             self._evict(n - len(self._free))
         if n > len(self._free):
@@ -248,7 +250,9 @@ class PrefixCache:
         """n more tokens for a running request (their ids, or n placeholders -1 to be set later):
         allocates the pages they need."""
         self._check_running("append", request)
-        new = list(n) if not isinstance(n, int) else [-1] * n
+        if isinstance(n, int) and not isinstance(n, bool) and n < 0:
+            raise ValueError(f"PrefixCache.append: n must be a non-negative int or token ids, got {n}")
+        new = _token_list("append", n) if not isinstance(n, int) else [-1] * n
         total = len(request.tokens) + len(new)
         needed = -(-total // self.page_size) - len(request.pages)
         if needed > 0:
@@ -381,8 +385,10 @@ def _token_list(op, tokens):
         if tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() != 1:
             raise TypeError(f"PrefixCache.{op}: tokens must be a 1-D int32 or int64 tensor, got {tokens.dtype} "
                             f"of shape {tuple(tokens.shape)}")
-        return tokens.tolist()
+        tokens = tokens.tolist()
     tokens = list(tokens)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise TypeError(f"PrefixCache.{op}: tokens must be ints")
+    if any(t < 0 for t in tokens):  # -1 marks a placeholder (append(n)); a token id is never negative
+        raise ValueError(f"PrefixCache.{op}: token ids must be non-negative, got {min(tokens)}")
     return tokens

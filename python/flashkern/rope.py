@@ -50,8 +50,13 @@ def _positions(op, q, indptr, offsets):
         raise ValueError(f"{op}: indptr must have batch + 1 = {offsets.shape[0] + 1} entries, got {indptr.shape[0]}")
     if offsets.shape[0] == 0 and q.shape[0] > 0:
         raise ValueError(f"{op}: {q.shape[0]} tokens but no request (offsets is empty)")
-    # The contract, not checked on a GPU (it would need a host sync): indptr[0] == 0, indptr is
-    # non-decreasing and indptr[-1] == tokens.
+    # The contract, checked where it needs no device synchronization (CPU tensors), not on a GPU:
+    # indptr[0] == 0, indptr is non-decreasing and indptr[-1] == tokens.
+    if indptr.device.type == "cpu" and not torch.compiler.is_compiling():
+        steps = indptr[1:] - indptr[:-1]
+        if int(indptr[0]) != 0 or int(indptr[-1]) != q.shape[0] or bool((steps < 0).any()):
+            raise ValueError(f"{op}: indptr must start at 0, never decrease and end at the {q.shape[0]} tokens of q, "
+                             f"got {indptr.tolist() if indptr.numel() <= 16 else 'a table that does not'}")
     token = torch.arange(q.shape[0], device=q.device, dtype=indptr.dtype)
     # b = #{indptr[1:] <= token}, as the whole indptr: Inductor (torch 2.11) cannot lower a sliced boundary tensor
     batch = (torch.searchsorted(indptr, token, right=True) - 1).clamp_(0, max(offsets.shape[0] - 1, 0))

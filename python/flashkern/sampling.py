@@ -18,17 +18,32 @@ Semantics, on every backend (csrc/include/flashkern/ops.h has the same words):
   (a host sync, as in FlashInfer).
 - Random numbers: with ``seed`` and ``offset`` unset, one 64-bit seed is drawn from ``generator``
   (or the default generator of the device) on the device, by torch: no host sync, and a CUDA graph
-  replay draws a new seed and new tokens. The kernels draw Philox4x32-10 numbers from (seed, offset,
-  row), so the same seed gives the same tokens on the same device, and explicit ``seed`` / ``offset``
-  (ints, or [1] / [batch] int64 tensors that a graph reads when it replays) give the caller control.
-  The CPU reference draws with a torch.Generator seeded from them: the same distribution.
+  replay draws a new seed and new tokens. The kernels draw Philox4x32-10 numbers keyed by the seed,
+  with counters from ``offset`` on, so the same seed gives the same tokens on the same device, and
+  explicit ``seed`` / ``offset`` (ints, or [1] / [batch] int64 tensors that a graph reads when it
+  replays) give the caller control. With one seed for the batch the row index is part of the
+  counter (rows differ); with a seed per row ([batch]: a request's own seed, as serving engines keep
+  them) it is not, so a request draws the same numbers at any row of any batch. One call uses at
+  most 1024 counters a row (sampling: up to 4096 numbers, four a counter; the speculative functions:
+  ceil((nodes + 64) / 4)): a caller that reuses a seed must advance ``offset`` by at least that
+  between calls, or draws repeat. The CPU reference draws with torch.Generators seeded from the
+  same values (one per row for a seed per row): the same distribution, other tokens.
 - ``deterministic``: accepted for FlashInfer's signature; every kernel here is deterministic.
 """
 
 import torch
 
 from . import _backend, ref
-from ._validate import check_probs, check_random, check_renorm, check_sampling, check_speculative, check_tensor
+from ._validate import (
+    check_enable_pdl,
+    check_probs,
+    check_random,
+    check_renorm,
+    check_sampling,
+    check_softmax,
+    check_speculative,
+    check_tensor,
+)
 
 _ops = torch.ops.flashkern
 
@@ -111,13 +126,14 @@ def sampling_from_probs(probs, indices=None, deterministic=True, generator=None,
 
 
 def sampling_from_logits(logits, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
-                         offset=None):
-    """sampling_from_probs(softmax(logits)): the softmax is torch's, in float32."""
+                         offset=None, return_valid=False):
+    """sampling_from_probs(softmax(logits)): the softmax is torch's, in float32. ``return_valid``: as the
+    probs functions (a row of NaN or of -inf logits has no mass)."""
     check_tensor("sampling_from_logits", "logits", logits)
     if check_nan and torch.isnan(logits).any():
         raise ValueError("sampling_from_logits: logits contains NaN")
-    return sampling_from_probs(torch.softmax(logits.float(), dim=-1), indices, deterministic, generator, False, seed,
-                               offset)
+    return _sample("sampling_from_logits", torch.softmax(logits.float(), dim=-1), indices, "none", generator, False,
+                   seed, offset, return_valid)
 
 
 def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True, generator=None, check_nan=False,
@@ -169,7 +185,8 @@ def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, filter_ap
 
 
 def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_apply_order="top_k_first",
-                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None):
+                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
+                                     return_valid=False):
     """top_k_first: top-p sampling from softmax(top_k_mask_logits(logits, top_k)); joint: joint top-k
     and top-p sampling from softmax(logits). The softmax is torch's, in float32."""
     op = "top_k_top_p_sampling_from_logits"
@@ -179,11 +196,11 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_
         raise ValueError(f"{op}: logits contains NaN")
     if filter_apply_order == "joint":
         return _sample(op, torch.softmax(logits.float(), dim=-1), indices, "top_k_top_p", generator, False, seed,
-                       offset, False, top_k=top_k, top_p=top_p)
+                       offset, return_valid, top_k=top_k, top_p=top_p)
     if indices is not None:
         logits, indices = logits[indices.long()], None
     probs = torch.softmax(top_k_mask_logits(logits, top_k).float(), dim=-1)
-    return _sample(op, probs, None, "top_p", generator, False, seed, offset, False, top_p=top_p)
+    return _sample(op, probs, None, "top_p", generator, False, seed, offset, return_valid, top_p=top_p)
 
 
 def _renorm(kind, input, top_k=None, top_p=None):
@@ -215,6 +232,31 @@ def top_k_mask_logits(logits, top_k):
     return _renorm("top_k_logits", logits, top_k=top_k)
 
 
+def softmax(logits, temperature=None, enable_pdl=None):
+    """FlashInfer's online softmax with temperature: ``softmax(logits / temperature)`` of each row, as
+    float32 probabilities ``[batch, vocab]``. logits ``[batch, vocab]`` float16, bfloat16 or float32 (the
+    last dimension contiguous); temperature None (1), a number > 0, or a ``[batch]`` tensor (one per row,
+    read on the device, not checked: a row's values are what ``logits / t`` gives). A row holding NaN or
+    +inf, or only -inf, gives NaN, as torch.softmax. The kernel reads each row twice and writes it once;
+    rows longer than 4096 are split over blocks, and a row's bits never depend on the other rows.
+    ``enable_pdl``: as in rmsnorm."""
+    op = "softmax"
+    pdl = check_enable_pdl(op, enable_pdl)
+    check_tensor(op, "logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"{op}: logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+    t_arr, t = None, 1.0
+    if isinstance(temperature, torch.Tensor):
+        t_arr, _ = _row_param(op, "temperature", temperature, logits.shape[0], logits.device)
+    elif temperature is not None:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"{op}: temperature must be None, a number or a tensor, got {type(temperature).__name__}")
+        t = float(temperature)
+    if _backend.use_reference(logits.device):
+        return _softmax_cpu(logits, t_arr, t, pdl)
+    return _ops.softmax(logits, t_arr, t, pdl)
+
+
 top_k_renorm_prob = top_k_renorm_probs
 top_p_renorm_prob = top_p_renorm_probs
 
@@ -239,6 +281,15 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     if draft_token_ids.dtype == torch.int64:
         draft_token_ids = draft_token_ids.int()
     draft_token_ids = draft_token_ids.contiguous()  # [batch, n]: a few ids
+    for name, counts in (("maybe_output_accepted_token_num", maybe_output_accepted_token_num),
+                         ("maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num)):
+        if counts is not None:  # FlashInfer's int32 [batch] counters, added to in place
+            check_tensor(op, name, counts)
+            if counts.dtype != torch.int32:
+                raise TypeError(f"{op}: {name} must be int32, got {counts.dtype}")
+            if tuple(counts.shape) != (draft_token_ids.shape[0],) or counts.device != target_probs.device:
+                raise ValueError(f"{op}: {name} must have shape ({draft_token_ids.shape[0]},) on "
+                                 f"{target_probs.device}, got {tuple(counts.shape)} on {counts.device}")
     tokens, _, emitted, accepted = _speculative(op, target_probs, draft_probs, draft_token_ids, 1, None, "sample",
                                                 generator, seed, offset)
     if maybe_output_accepted_token_num is not None:
@@ -251,6 +302,11 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
 def _speculative(op, target, draft, candidates, first_candidate, parents, mode, generator, seed, offset):
     if target.dim() != 3:
         raise ValueError(f"{op}: the target must be 3-D (batch, nodes, vocab), got shape {tuple(target.shape)}")
+    if isinstance(candidates, torch.Tensor) and candidates.device.type == "cpu" and candidates.numel():
+        # checked where it costs no device synchronization; on a GPU an id outside the vocabulary is a rejection
+        low, high = int(candidates.min()), int(candidates.max())
+        if low < 0 or high >= target.shape[2]:
+            raise ValueError(f"{op}: token ids must be in [0, vocab={target.shape[2]}), got {low if low < 0 else high}")
     rng = _random_args(op, target.device, generator, seed, offset, target.shape[0])
     args = (target, draft, candidates, first_candidate, parents, mode, *rng)
     if _backend.use_reference(target.device):
@@ -269,11 +325,11 @@ def _sampling_cpu(probs, indices, filter, top_k_arr, top_k, top_p_arr, top_p, mi
     def per_row(arr, value, dtype):
         return arr.cpu() if arr is not None else torch.full((batch,), value, dtype=dtype)
 
-    generator = ref.sampling.generator_for(seed if seed_arr is None else seed_arr.cpu(),
-                                           offset if offset_arr is None else offset_arr.cpu())
+    streams = ref.sampling.RowStreams(seed if seed_arr is None else seed_arr.cpu(),
+                                      offset if offset_arr is None else offset_arr.cpu(), batch)
     samples, valid = ref.sampling.sampling(probs, indices, filter, per_row(top_k_arr, top_k, torch.int64),
                                            per_row(top_p_arr, top_p, torch.float64),
-                                           per_row(min_p_arr, min_p, torch.float64), generator)
+                                           per_row(min_p_arr, min_p, torch.float64), streams)
     return samples.to(indices.dtype if indices is not None else torch.int32), valid
 
 
@@ -291,10 +347,17 @@ def _renorm_cpu(input, kind, top_k_arr, top_k, top_p_arr, top_p):
 @_backend.register_cpu("speculative")
 def _speculative_cpu(target, draft, candidates, first_candidate, parents, mode, seed_arr, seed, offset_arr, offset):
     check_speculative(target, draft, candidates, first_candidate, parents, mode, seed_arr, offset_arr)
-    generator = ref.sampling.generator_for(seed if seed_arr is None else seed_arr.cpu(),
-                                           offset if offset_arr is None else offset_arr.cpu())
+    streams = ref.sampling.RowStreams(seed if seed_arr is None else seed_arr.cpu(),
+                                      offset if offset_arr is None else offset_arr.cpu(), target.shape[0])
     return ref.sampling.speculative(target.cpu(), None if draft is None else draft.cpu(), candidates.cpu(),
-                                    first_candidate, None if parents is None else parents.cpu(), mode, generator)
+                                    first_candidate, None if parents is None else parents.cpu(), mode, streams)
+
+
+@_backend.register_cpu("softmax")
+def _softmax_cpu(logits, temperature_arr, temperature, enable_pdl=False):
+    check_softmax(logits, temperature_arr, temperature)
+    t = temperature_arr.cpu() if temperature_arr is not None else temperature
+    return ref.sampling.softmax(logits.cpu(), t).float().to(logits.device)
 
 
 # ---- fake functions ----
@@ -312,6 +375,12 @@ def _sampling_fake(probs, indices, filter, top_k_arr, top_k, top_p_arr, top_p, m
 def _renorm_fake(input, kind, top_k_arr, top_k, top_p_arr, top_p):
     check_renorm(input, kind, top_k_arr, top_p_arr)
     return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("flashkern::softmax")
+def _softmax_fake(logits, temperature_arr, temperature, enable_pdl=False):
+    check_softmax(logits, temperature_arr, temperature)
+    return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("flashkern::speculative")

@@ -199,6 +199,18 @@ const char* emu_renorm(void* out, const void* in, int64_t rows, int64_t vocab, i
   return fk::launch_renorm(p, nullptr);
 }
 
+// out [rows, vocab] float32 contiguous; in [rows, vocab] dtype, rows in_stride apart; temperature_arr [rows]
+// or nullptr; partial: room for softmax_chunks(vocab) (max, sum) pairs a row
+int64_t emu_softmax_chunks(int64_t vocab) { return fk::softmax_chunks(vocab); }
+
+const char* emu_softmax(float* out, const void* in, int64_t rows, int64_t vocab, int64_t in_stride, int dtype,
+                        const float* temperature_arr, float temperature, float* partial) {
+  fk::SoftmaxParams p{};
+  p.out = out, p.in = in, p.in_stride = in_stride, p.temperature_arr = temperature_arr, p.temperature = temperature;
+  p.partial = partial, p.rows = rows, p.vocab = vocab, p.dtype = DType(dtype);
+  return fk::launch_softmax(p, nullptr);
+}
+
 // target [batch, nodes, vocab] (dtype), draft [batch, nodes, vocab] float32 or nullptr, candidates
 // [batch, nodes - first] int32, parents [nodes] int32 or nullptr (a chain); mode: SpeculativeMode.
 const char* emu_speculative(int32_t* tokens, int32_t* path, int32_t* accepted, int32_t* independent,

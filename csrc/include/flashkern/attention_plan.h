@@ -351,6 +351,7 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
     r.count[k] = h.count[k];
   }
   h.states = int32_t(total_states);
+  h.magic = kPlanMagic;
   h.batch = int32_t(batch);
   h.identity_levels = identity_levels;
   std::copy(reinterpret_cast<const int32_t*>(&h), reinterpret_cast<const int32_t*>(&h) + kHeaderWords, out);

@@ -77,8 +77,12 @@ FK_HOST_DEVICE bool sees_chunk(const AttentionWorkItem& item, int32_t i) {
   return visible_begin(item, i) < visible_end(item, i);
 }
 
+// The first word of a plan: a workspace without it holds no plan (the CPU paths raise on that).
+inline constexpr int32_t kPlanMagic = 0x4C504B46;  // "FKPL"
+
 // The int32 words at the start of the workspace.
 struct PlanHeader {
+  int32_t magic;                    // kPlanMagic
   int32_t count[kAttentionKinds];   // items of each kind
   int32_t items[kAttentionKinds];   // where each kind's items start (words from the workspace start)
   int32_t merge_indptr;             // [batch + 1]: query t's states are merge_indices[indptr[t]..indptr[t+1]]
@@ -86,7 +90,7 @@ struct PlanHeader {
   int32_t states;                   // entries of merge_indices
   int32_t batch;
   int32_t identity_levels;          // bit l: level l's kv_indices is the identity (page e is entry e; ragged KV)
-  int32_t reserved[5];
+  int32_t reserved[4];
 };
 static_assert(sizeof(PlanHeader) == 64, "the header is 16 words");
 inline constexpr int kHeaderWords = 16;

@@ -212,6 +212,24 @@ struct RenormParams {
   RenormKind kind;
 };
 
+// FlashInfer's sampling.softmax: out = softmax(in / t) per row in fp32, t = temperature_arr[row] or
+// temperature. A row is processed in chunks of kSoftmaxChunk elements (kernels/softmax.cuh); rows of
+// more than one chunk need partial: softmax_chunks(vocab) (max, sum) float pairs a row.
+inline constexpr int64_t kSoftmaxChunk = 4096;  // untuned: 32 blocks for a 128K row at batch 1
+FK_HOST_DEVICE int64_t softmax_chunks(int64_t vocab) { return (vocab + kSoftmaxChunk - 1) / kSoftmaxChunk; }
+
+struct SoftmaxParams {
+  float* out;                    // [rows, vocab] fp32, contiguous
+  const void* in;                // [rows, vocab] dtype, the last dimension contiguous
+  int64_t in_stride;             // elements from one row to the next
+  const float* temperature_arr;  // [rows], or nullptr: temperature
+  float temperature;
+  float* partial;                // [rows, softmax_chunks(vocab), 2] when that is over 1, else unused
+  int64_t rows, vocab;
+  DType dtype;
+  bool pdl;                      // programmatic dependent launches where the device has them (platform.h)
+};
+
 // Speculative decoding: per request b, a walk down a tree of candidate tokens (node 0 the root, the
 // last accepted token; node i > 0 a candidate whose parent is parents[i] < i; the children of a
 // node are tried in index order). Greedy: move to the first child whose token is the argmax of the
@@ -312,6 +330,7 @@ const char* launch_merge_states(const MergeStatesParams& p, void* stream);
 const char* launch_batch_attention(const BatchAttentionParams& p, void* stream);
 const char* launch_sampling(const SamplingParams& p, void* stream);
 const char* launch_renorm(const RenormParams& p, void* stream);
+const char* launch_softmax(const SoftmaxParams& p, void* stream);
 const char* launch_speculative(const SpeculativeParams& p, void* stream);
 
 }  // namespace fk

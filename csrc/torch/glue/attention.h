@@ -181,6 +181,12 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   const Tensor q = rows_aligned16(q_in) ? q_in : at::empty(q_in.sizes(), q_in.options()).copy_(q_in);
   const fk::WorkspaceLayout layout = fk::workspace_layout(workspace.numel(), batch, qo_heads, head_dim);
   uint8_t* base = workspace.data_ptr<uint8_t>();
+#if defined(FLASHKERN_EMULATED_OPS)  // the plan is in host memory here: checked as the reference checks it
+  const auto* header = reinterpret_cast<const fk::PlanHeader*>(base);
+  FK_CHECK_VALUE(workspace.numel() >= int64_t(sizeof(fk::PlanHeader)) && header->magic == fk::kPlanMagic &&
+                     header->batch == batch,
+                 op, ": the workspace holds no flashkern plan for ", batch, " queries (a wrapper's plan() writes it)");
+#endif
   fk::BatchAttentionParams p{};
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();

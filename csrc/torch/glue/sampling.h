@@ -142,6 +142,35 @@ Tensor renorm(const Tensor& input, const std::string& kind, const std::optional<
   return out;
 }
 
+Tensor softmax(const Tensor& logits, const std::optional<Tensor>& temperature_arr, double temperature,
+               bool enable_pdl) {
+  const char* op = "softmax";
+  check_float(op, "logits", logits);
+  FK_CHECK_VALUE(logits.dim() == 2, op, ": logits must be 2-D (batch, vocab), got shape ", as_tuple(logits.sizes()));
+  check_last_dim_contiguous(op, "logits", logits);
+  check_row_param(op, "temperature", temperature_arr, logits, logits.size(0), at::kFloat);
+  FK_CHECK_VALUE(std::isfinite(float(temperature)) && float(temperature) > 0, op,
+                 ": temperature must be a finite float32 number > 0, got ",
+                 temperature);
+  const c10::DeviceGuard guard(logits.device());
+  const int64_t rows = logits.size(0), vocab = logits.size(1), chunks = fk::softmax_chunks(vocab);
+  Tensor out = at::empty(logits.sizes(), logits.options().dtype(at::kFloat));
+  Tensor partial = chunks > 1 ? at::empty({rows * chunks * 2}, out.options()) : Tensor();
+  fk::SoftmaxParams p{};
+  p.out = out.data_ptr<float>();
+  p.in = logits.const_data_ptr();
+  p.in_stride = rows > 0 ? logits.stride(0) : 0;
+  p.temperature_arr = temperature_arr ? temperature_arr->const_data_ptr<float>() : nullptr;
+  p.temperature = float(temperature);
+  p.partial = chunks > 1 ? partial.data_ptr<float>() : nullptr;
+  p.rows = rows;
+  p.vocab = vocab;
+  p.dtype = to_dtype(logits.scalar_type());
+  p.pdl = enable_pdl;
+  check_launch(fk::launch_softmax(p, current_stream(logits)), op);
+  return out;
+}
+
 // target [batch, nodes, vocab]; draft [batch, >= nodes - 1, vocab] or none; candidates [batch, nodes -
 // first_candidate] int32; parents [nodes] or [batch, nodes] int32, or none (a chain).
 std::tuple<Tensor, Tensor, Tensor, Tensor> speculative(const Tensor& target, const std::optional<Tensor>& draft,
@@ -227,6 +256,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> speculative(const Tensor& target, con
 void register_sampling(torch::Library& m) {
   m.impl("sampling", &sampling);
   m.impl("renorm", &renorm);
+  m.impl("softmax", &softmax);
   m.impl("speculative", &speculative);
 }
 

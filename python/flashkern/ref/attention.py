@@ -10,6 +10,8 @@ def merge_states(v, s):
     (0, -inf); a NaN anywhere in a row gives NaN."""
     c = compute_dtype(v)
     s = s.to(torch.float64 if c == torch.float64 else torch.float32)
+    if s.shape[1] == 0:  # no states: the empty state, as the kernels give
+        return v.new_zeros(v.shape[0], *v.shape[2:]), s.new_full((s.shape[0], s.shape[2]), float("-inf"))
     m = s.amax(dim=1)
     empty = m == float("-inf")
     w = torch.exp(s - torch.where(empty, 0.0, m).unsqueeze(1))
@@ -144,17 +146,30 @@ KIND_ROWS = _C.KIND_ROWS  # rows of a work item per kind (attention_work.h: kind
 ITEM_WORDS = 12  # attention_work.h: kItemWords
 
 
-def read_plan(words):
+PLAN_MAGIC = 0x4C504B46  # attention_work.h: kPlanMagic, the first word of every plan
+
+
+def check_plan_header(words, batch=None):
+    """The 16 header words of a plan as a list; words that hold no plan (for `batch` queries): ValueError."""
+    header = words[:16].tolist()
+    if len(header) < 16 or header[0] != PLAN_MAGIC or (batch is not None and header[10] != batch):
+        raise ValueError(f"batch_attention: the workspace holds no flashkern plan"
+                         f"{'' if batch is None else f' for {batch} queries'} (a wrapper's plan() writes it)")
+    return header
+
+
+def read_plan(words, batch=None):
     """A plan (the int32 words at the start of a workspace, attention_work.h) as Python lists:
     (items per kind, merge_indptr, merge_indices, identity_levels), an item being its 12 words (level,
     q_begin, n_q, row_begin, page_begin, kv_begin, kv_end, slot_base, first, last, mask, length).
-    Reads the words back to the host."""
+    Reads the words back to the host. Words that hold no plan (for `batch` queries): ValueError."""
     w = words.cpu()
-    header = w[:16].tolist()
-    count, start, indptr_at, indices_at, states, batch = header[0:3], header[3:6], header[6], header[7], header[8], \
-        header[9]
+    header = check_plan_header(w, batch)
+    count, start, indptr_at, indices_at, states, plan_batch = header[1:4], header[4:7], header[7], header[8], \
+        header[9], header[10]
     items = [w[start[k] : start[k] + ITEM_WORDS * count[k]].view(-1, ITEM_WORDS).tolist() for k in range(3)]
-    return items, w[indptr_at : indptr_at + batch + 1].tolist(), w[indices_at : indices_at + states].tolist(), header[10]
+    return (items, w[indptr_at : indptr_at + plan_batch + 1].tolist(), w[indices_at : indices_at + states].tolist(),
+            header[11])
 
 
 def softmax_state(logits):
@@ -209,7 +224,7 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
     num_pages, page_size, kv_heads = k_cache.shape[:3]
     group = qo_heads // kv_heads
     c = compute_dtype(q)
-    items, indptr, merge_indices, identity_levels = read_plan(words)
+    items, indptr, merge_indices, identity_levels = read_plan(words, batch)
     n_states = torch.tensor([indptr[t + 1] - indptr[t] for t in range(batch)], dtype=torch.long)
     out = torch.zeros(batch, qo_heads, head_dim, dtype=c, device=q.device)
     lse = torch.full((batch, qo_heads), float("-inf"), dtype=c, device=q.device)

@@ -42,11 +42,33 @@ def kept(probs, top_k=None, top_p=None, min_p=None):
     return keep
 
 
-def generator_for(seed, offset):
-    """A CPU generator for one call: seeded from the op's seed and offset values or tensors."""
-    seed = int(seed.flatten()[0]) if isinstance(seed, torch.Tensor) else int(seed)
-    offset = int(offset.flatten()[0]) if isinstance(offset, torch.Tensor) else int(offset)
-    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63))
+def _generator(seed, offset):
+    return torch.Generator().manual_seed((int(seed) * 0x9E3779B97F4A7C15 + int(offset)) % (1 << 63))
+
+
+class RowStreams:
+    """The reference's random numbers for `batch` output rows, from the op's seed and offset (values or
+    [1] / [batch] tensors): one torch.Generator for all rows, or, with a seed per row, one per row from its
+    own seed and offset, so that a row's draws depend on neither its position nor the other rows (as the
+    kernels' Philox streams, philox.h)."""
+
+    def __init__(self, seed, offset, batch):
+        seeds = seed.flatten().tolist() if isinstance(seed, torch.Tensor) else [seed]
+        offsets = offset.flatten().tolist() if isinstance(offset, torch.Tensor) else [offset]
+        self.per_row = len(seeds) > 1
+        if self.per_row:
+            self.rows = [_generator(seeds[b], offsets[b if len(offsets) > 1 else 0]) for b in range(batch)]
+        else:
+            self.shared = _generator(seeds[0], offsets[0])
+
+    def generator(self, b):
+        return self.rows[b] if self.per_row else self.shared
+
+    def uniforms(self, n):
+        """One float64 number in [0, 1) for each of the n rows."""
+        if not self.per_row:
+            return torch.rand(n, dtype=torch.float64, generator=self.shared)
+        return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows[:n]])
 
 
 def draw(weights, generator):
@@ -60,7 +82,7 @@ def draw(weights, generator):
     return torch.where(ok, index, -1)
 
 
-def sampling(probs, indices, filter, top_k, top_p, min_p, generator, chunk_bytes=1 << 25):
+def sampling(probs, indices, filter, top_k, top_p, min_p, streams, chunk_bytes=1 << 25):
     """The sampling op: (tokens, valid) for output rows probs[indices] (or probs); top_k / top_p /
     min_p are [batch] tensors or None per the filter ('none', 'top_k', 'top_p', 'min_p',
     'top_k_top_p'); invalid rows (no mass, NaN, an index outside probs) give token 0.
@@ -72,7 +94,7 @@ def sampling(probs, indices, filter, top_k, top_p, min_p, generator, chunk_bytes
     index = torch.arange(rows) if indices is None else indices.long().cpu()
     n = index.shape[0]
     inside = (index >= 0) & (index < rows)
-    u = torch.rand(n, dtype=torch.float64, generator=generator)
+    u = streams.uniforms(n)
     params = {"top_k": top_k if "top_k" in filter else None, "top_p": top_p if "top_p" in filter else None,
               "min_p": min_p if filter == "min_p" else None}
     columns = [index.clamp(0, max(rows - 1, 0)).double()] + [v.cpu().double() for v in params.values() if v is not None]
@@ -118,11 +140,18 @@ def renorm(input, kind, top_k=None, top_p=None):
     return (kept_p / kept_p.sum(dim=1, keepdim=True)).to(input.dtype)
 
 
+def softmax(logits, temperature):
+    """softmax(logits / temperature) of each row in float64: temperature [rows] (or a value). NaN, +inf and
+    rows of -inf only give NaN rows, as torch.softmax."""
+    t = temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else float(temperature)
+    return torch.softmax(logits.double() / t, dim=1)
+
+
 def children(parents, u):
     return [c for c in range(u + 1, len(parents)) if parents[c] == u]
 
 
-def speculative(target, draft, candidates, first_candidate, parents, mode, generator):
+def speculative(target, draft, candidates, first_candidate, parents, mode, streams):
     """The speculative op (csrc/include/flashkern/ops.h: SpeculativeParams) as a Python walk per
     request in float64: (tokens [batch, nodes], nodes [batch, nodes - 1], num_accepted [batch],
     independent_accepted [batch])."""
@@ -131,7 +160,8 @@ def speculative(target, draft, candidates, first_candidate, parents, mode, gener
     path = torch.full((batch, max(nodes - 1, 0)), -1, dtype=torch.int32)
     accepted = torch.zeros(batch, dtype=torch.int32)
     independent = torch.zeros(batch, dtype=torch.int32)
-    coins = torch.rand(batch, nodes, dtype=torch.float64, generator=generator)
+    coins = [torch.rand(nodes, dtype=torch.float64, generator=streams.generator(b)) for b in range(batch)] \
+        if mode == "sample" else None  # greedy draws nothing
     target = target.double().cpu()
     draft = None if draft is None else draft.double().cpu()
     for b in range(batch):
@@ -156,19 +186,19 @@ def speculative(target, draft, candidates, first_candidate, parents, mode, gener
                     t = token_of(c)
                     r = residual / residual.sum() if residual.sum() > 0 else residual
                     if q is not None:
-                        if 0 <= t < vocab and coins[b, c] * q[t] < r[t]:
+                        if 0 <= t < vocab and coins[b][c] * q[t] < r[t]:
                             nxt = c
                             break
                         residual = (r - q).clamp_min(0)
                     else:
-                        if 0 <= t < vocab and coins[b, c] < r[t]:
+                        if 0 <= t < vocab and coins[b][c] < r[t]:
                             nxt = c
                             break
                         if 0 <= t < vocab:
                             residual[t] = 0
                 if nxt is None:
                     weights = residual if residual.sum() > 0 else p
-                    emitted = max(int(draw(weights[None], generator)[0]), 0)
+                    emitted = max(int(draw(weights[None], streams.generator(b))[0]), 0)
             if nxt is not None:
                 tokens[b, n], path[b, n] = token_of(nxt), nxt
                 n, u = n + 1, nxt
@@ -178,6 +208,6 @@ def speculative(target, draft, candidates, first_candidate, parents, mode, gener
             for c in range(1, nodes):
                 t = token_of(c)
                 q_t = 1.0 if draft is None else float(draft[b, c - 1, t]) if 0 <= t < vocab else 0.0
-                if 0 <= t < vocab and float(coins[b, c]) * q_t < float(target[b, c - 1, t]):
+                if 0 <= t < vocab and float(coins[b][c]) * q_t < float(target[b, c - 1, t]):
                     independent[b] += 1
     return tokens, path, accepted, independent

@@ -156,7 +156,8 @@ FK_DEVICE Drawn draw_by_mass(int64_t vocab, const Masses& masses, float target, 
   return drawn;
 }
 
-// The row's probabilities as masses: max(p, 0) of the tokens in R (before `pivot`), 0 elsewhere.
+// The row's probabilities as masses: max(p, 0) of the tokens in R (before `pivot`), 0 elsewhere; a NaN
+// stays NaN, so a row holding one has a NaN mass and is invalid (as the reference: ref/sampling.py).
 template <int kVec>
 struct ProbMasses {
   const float* row;
@@ -176,7 +177,8 @@ struct ProbMasses {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const int64_t j = first + e;
-      m[e] = j < vocab && m[e] > 0.f && before(m[e], j, pivot) ? m[e] : 0.f;
+      const float x = m[e];
+      m[e] = j < vocab && (x != x || (x > 0.f && before(x, j, pivot))) ? x : 0.f;
     }
   }
 };
@@ -185,10 +187,13 @@ FK_DEVICE uint64_t random_word(const int64_t* arr, int64_t len, int64_t value, i
   return uint64_t(arr == nullptr ? value : arr[len == 1 ? 0 : b]);
 }
 
+// Row b's stream. With a seed per row (a [batch] tensor: a request's own seed) it is a function of that
+// seed and the row's offset alone, not of b, so a request draws the same numbers at any row of any batch;
+// with one seed for all rows, b is part of the counter so that rows differ.
 // r by value: a reference to the kernel's parameter made HIP copy it to scratch memory.
 FK_DEVICE RowRandom row_random(RandomSource r, int64_t b) {
   return RowRandom(random_word(r.seed_arr, r.seed_len, r.seed, b), random_word(r.offset_arr, r.offset_len, r.offset, b),
-                   uint32_t(b));
+                   r.seed_arr != nullptr && r.seed_len > 1 ? 0u : uint32_t(b));
 }
 
 template <int kThreads, int kWarp, int kVec>
