@@ -69,6 +69,8 @@ FK_DEVICE void block_reduce(T (&v)[kN], T* scratch, Op op) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     T r = scratch[i * kWarps];
+    // 8 at a time: all kWarps - 1 loads at once cost the sampling kernel a spill on sm_120 (64-register cap)
+#pragma unroll 8
     for (int w = 1; w < kWarps; ++w) r = op(r, scratch[i * kWarps + w]);
     v[i] = r;
   }

@@ -25,37 +25,36 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(MergeStates
     const int64_t row = base + threadIdx.x / tpr;
     const int64_t t = row / p.heads, h = row % p.heads;
     const bool active = row < rows && (p.mask == nullptr || p.mask[t]);
-    const int n = p.num_states + (p.v_other != nullptr ? 1 : 0);
-    auto s_of = [&](int i) {
-      return i < p.num_states ? p.s[t * p.s_strides[0] + i * p.s_strides[1] + h * p.s_strides[2]]
-                              : p.s_other[t * p.s_other_strides[0] + h * p.s_other_strides[1]];
-    };
-    auto v_of = [&](int i) {
-      return i < p.num_states
-                 ? static_cast<const T*>(p.v) + t * p.v_strides[0] + i * p.v_strides[1] + h * p.v_strides[2]
-                 : static_cast<const T*>(p.v_other) + t * p.v_other_strides[0] + h * p.v_other_strides[1];
-    };
+    // the row's states: p.s / p.v state by state, then the other one (merge_state) if any
+    const float* s_row = p.s + t * p.s_strides[0] + h * p.s_strides[2];
+    const T* v_row = static_cast<const T*>(p.v) + t * p.v_strides[0] + h * p.v_strides[2];
+    const bool other = p.v_other != nullptr;
     float m = -INFINITY, sum = 0.f;
     bool nan = false;
     if (active) {
-      for (int i = 0; i < n; ++i) {
-        const float s = s_of(i);
+      auto see = [&](float s) {
         nan |= s != s;
         m = s > m ? s : m;
-      }
+      };
+      for (int i = 0; i < p.num_states; ++i) see(s_row[i * p.s_strides[1]]);
+      if (other) see(p.s_other[t * p.s_other_strides[0] + h * p.s_other_strides[1]]);
       for (int64_t v = lane; v < row_vecs; v += tpr) {
         const int elems = int(p.head_dim - v * kVec < kVec ? p.head_dim - v * kVec : kVec);
         float acc[kVec] = {};
         sum = 0.f;  // the same total for every vector: lane 0 keeps it for s
-        if (m != -INFINITY && !nan) {
-          for (int i = 0; i < n; ++i) {
-            const float w = expf(s_of(i) - m);
-            sum += w;
-            Vec<T, kVec> x;
-            x.load(v_of(i) + v * kVec, elems);
+        auto add = [&](float s, const T* state_v) {
+          const float w = expf(s - m);
+          sum += w;
+          Vec<T, kVec> x;
+          x.load(state_v + v * kVec, elems);
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) acc[j] += w * x.f(j);
-          }
+          for (int j = 0; j < kVec; ++j) acc[j] += w * x.f(j);
+        };
+        if (m != -INFINITY && !nan) {
+          for (int i = 0; i < p.num_states; ++i) add(s_row[i * p.s_strides[1]], v_row + i * p.v_strides[1]);
+          if (other)
+            add(p.s_other[t * p.s_other_strides[0] + h * p.s_other_strides[1]],
+                static_cast<const T*>(p.v_other) + t * p.v_other_strides[0] + h * p.v_other_strides[1]);
         }
         Vec<T, kVec> out;
 #pragma unroll

@@ -133,6 +133,11 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     for (int r = 0; r < kSlots; ++r) l[r] = Warp::row_sum(l[r]);
     cp_async_wait<0>();
     const bool any_poisoned = __syncthreads_or(pipe.poisoned);  // also: every warp is done with q and the tiles
+    {  // fields only the stores need, read again: kept through the loop, they cost the 64-row tile
+       // of head_dim 256 a spill on sm_100 and sm_120, where the loop alone fills 255 registers
+      const AttentionWorkItem stored = load_item(p, kKind, w);
+      item.q_begin = stored.q_begin, item.row_begin = stored.row_begin, item.slot_base = stored.slot_base;
+    }
     auto sink_of = [&](int r) { return StateSink(p, query_of(r), head_of(r), item.slot_base + query_of(r)); };
     auto writes = [&](int r) { return r < rows && sees_chunk(item, index_of(r)); };  // else: not its chunk
 

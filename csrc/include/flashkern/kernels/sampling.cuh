@@ -33,8 +33,8 @@
 
 namespace fk {
 
-// 1024 threads a row on NVIDIA (55-60 registers, no spills); 512 on AMD, where a 1024-thread block
-// leaves a wave 128 VGPRs and the kernels spilled.
+// 1024 threads a row on NVIDIA (52-64 registers on sm_80-sm_120, no spills); 512 on AMD, where a
+// 1024-thread block leaves a wave 128 VGPRs and the kernels spilled.
 inline constexpr int kSamplingThreads = kHipBuild ? 512 : 1024;
 // More rounds than a row can need (each one removes at least its token; the bisection halves a
 // value interval): a guard against a hang on input no analysis foresaw. The row is then invalid.
