@@ -152,7 +152,7 @@ def test_cuda_ptx_has_16_byte_global_loads(cuda_build, source, arch):
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_cuda_sampling_ptx(cuda_build, arch):
     """The sampling kernels read rows 16 bytes at a time (float4 probabilities; 16-bit renorm rows as
-    8 elements), and renormalization writes them so."""
+    8 elements), and renormalization and softmax write them so."""
     build, _ = cuda_build
     entries, names = ptx_of(build, "sampling", arch)
     def wide_path(name):  # sampling_kernel<threads, warp, vec> reads float only
@@ -164,6 +164,12 @@ def test_cuda_sampling_ptx(cuda_build, arch):
     for name, body in wide.items():
         assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global load"
         if "renorm" in name:
+            assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global store"
+    softmax = {names[m]: b for m, b in entries.items() if "softmax" in names[m]}
+    assert len(softmax) == 9, sorted(softmax)  # stats, stats-and-write, merge-and-write for three dtypes
+    for name, body in softmax.items():  # every one reads 16 bytes at a time; those that write, write so
+        assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global load"
+        if "merge_write" in name or "true>" in name:
             assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{name}: no 16-byte global store"
 
 
@@ -213,8 +219,9 @@ def test_cuda_attention_ptx(cuda_build, arch):
                 assert re.search(r"st\.global(\.wb)?\.v4", body), name
 
 
+# launched with enable_pdl: they let the next kernel start launching
 PDL_LAUNCHED = ["rmsnorm_kernel", "act_and_mul_kernel", "decode_attention_kernel", "multi_query_attention_kernel",
-                "merge_partials_kernel"]  # launched with enable_pdl: they let the next kernel start launching
+                "merge_partials_kernel", "softmax_chunk_kernel", "softmax_merge_write_kernel"]
 # global or generic-address loads, stores, atomics and copies (not parameters, shared, local or constant memory)
 GLOBAL_ACCESS = r"\b(ld|st|atom|red)\.(?!param|shared|local|const)|cp\.async\.(bulk\.)?\w*\.?shared[:\w]*\.global"
 

@@ -58,6 +58,38 @@ struct SamplingShared {
   int64_t token;
 };
 
+// A row's tokens as vectors of kVec for 16-byte loads: when the row does not start on a 16-byte
+// boundary, vector 0 holds the `head` tokens before the first one, and the others kVec tokens each from
+// there (the last one partial). Vectors keep index order, so every order the kernels derive from them
+// (thread order, ranks of tied tokens) is index order, and a row of any length or start takes 16-byte loads.
+template <int kVec>
+struct RowSpan {
+  int64_t vocab;
+  int64_t head;  // [0, kVec), at most vocab
+
+  template <typename T>
+  FK_DEVICE static RowSpan of(const T* row, int64_t vocab) {
+    const uintptr_t off = reinterpret_cast<uintptr_t>(row) % 16;
+    const int64_t head = off && kVec > 1 ? int64_t((16 - off) / sizeof(T)) : 0;
+    return {vocab, head < vocab ? head : vocab};
+  }
+  FK_DEVICE int64_t vectors() const { return (head > 0 ? 1 : 0) + ceil_div(vocab - head, int64_t(kVec)); }
+  FK_DEVICE int64_t first(int64_t v) const { return head == 0 ? v * kVec : v == 0 ? 0 : head + (v - 1) * kVec; }
+  FK_DEVICE int size(int64_t v) const {  // tokens in vector v (0 past the row)
+    const int64_t f = first(v), end = head > 0 && v == 0 ? head : f + kVec;
+    return f >= vocab ? 0 : int((end < vocab ? end : vocab) - f);
+  }
+  template <typename T>
+  FK_DEVICE int load(const T* row, int64_t v, float (&x)[kVec]) const {  // zeros past the vector's tokens
+    Vec<T, kVec> vec;
+    const int n = size(v);
+    vec.load(row + first(v), n);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) x[e] = vec.f(e);
+    return n;
+  }
+};
+
 struct Drawn {
   int64_t token;  // -1: the target was not below the mass
   float mass;     // of the tokens drawn from
@@ -69,10 +101,11 @@ struct Drawn {
 // distribution, and this one needs only one block-wide prefix sum): each thread sums the masses of
 // its vectors v = threadIdx.x + i * kThreads, the prefix sum finds the thread whose interval holds the
 // target, and warp 0 walks that thread's vectors once more. masses(v, m) fills m[0..kVec) with the
-// masses of vector v's tokens (zero past the row's end and outside the set drawn from).
+// masses of vector v's tokens (zero past the row's end and outside the set drawn from); masses.span
+// says which tokens vector v holds.
 template <int kThreads, int kWarp, int kVec, typename Masses>
-FK_DEVICE Drawn draw_by_mass(int64_t vocab, const Masses& masses, float target, SamplingShared& sh) {
-  const int64_t vectors = ceil_div(vocab, kVec);
+FK_DEVICE Drawn draw_by_mass(const Masses& masses, float target, SamplingShared& sh) {
+  const int64_t vectors = masses.span.vectors();
   float sum = 0.f, largest = 0.f;
 #pragma unroll 4
   for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
@@ -135,7 +168,7 @@ FK_DEVICE Drawn draw_by_mass(int64_t vocab, const Masses& masses, float target, 
 #pragma unroll
             for (int e = 0; e < kVec; ++e) pick = m[e] > 0.f ? e : pick;
           }
-          sh.token = v * kVec + pick;
+          sh.token = masses.span.first(v) + pick;
         }
       } else {
         rest -= shfl_bits(inclusive, kWarp - 1);
@@ -147,7 +180,7 @@ FK_DEVICE Drawn draw_by_mass(int64_t vocab, const Masses& masses, float target, 
       int pick = -1;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) pick = m[e] > 0.f ? e : pick;
-      sh.token = last_positive * kVec + pick;
+      sh.token = masses.span.first(last_positive) + pick;
     }
   }
   __syncthreads();
@@ -161,24 +194,17 @@ FK_DEVICE Drawn draw_by_mass(int64_t vocab, const Masses& masses, float target, 
 template <int kVec>
 struct ProbMasses {
   const float* row;
-  int64_t vocab;
+  RowSpan<kVec> span;
   Pivot pivot;
 
-  FK_DEVICE void load(int64_t v, float (&x)[kVec]) const {
-    Vec<float, kVec> vec;
-    const int64_t first = v * kVec;
-    vec.load(row + first, int(vocab - first < kVec ? vocab - first : kVec));
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) x[e] = vec.f(e);
-  }
+  FK_DEVICE int load(int64_t v, float (&x)[kVec]) const { return span.load(row, v, x); }
   FK_DEVICE void operator()(int64_t v, float (&m)[kVec]) const {
-    load(v, m);
-    const int64_t first = v * kVec;
+    const int n = load(v, m);
+    const int64_t first = span.first(v);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      const int64_t j = first + e;
       const float x = m[e];
-      m[e] = j < vocab && (x != x || (x > 0.f && before(x, j, pivot))) ? x : 0.f;
+      m[e] = e < n && (x != x || (x > 0.f && before(x, first + e, pivot))) ? x : 0.f;
     }
   }
 };
@@ -221,10 +247,11 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
 
     int64_t token = -1;
     if (row >= 0 && row < p.rows) {  // an index outside probs gives an invalid row
-      ProbMasses<kVec> masses{p.probs + row * p.probs_stride, p.vocab, {-INFINITY, 0}};
+      const float* probs = p.probs + row * p.probs_stride;
+      ProbMasses<kVec> masses{probs, RowSpan<kVec>::of(probs, p.vocab), {-INFINITY, 0}};
       float bound = kMassBound, total = 0.f, high = 0.f;
       for (int round = 0; round < kMaxSamplingRounds; ++round) {
-        const Drawn d = draw_by_mass<kThreads, kWarp, kVec>(p.vocab, masses, random.uniform(uint32_t(round)) * bound, sh[0]);
+        const Drawn d = draw_by_mass<kThreads, kWarp, kVec>(masses, random.uniform(uint32_t(round)) * bound, sh[0]);
         if (round == 0) {
           total = d.mass;  // of the whole row
           high = d.max;
@@ -247,19 +274,19 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
           const float pivot = 0.5f * (px + high);
           float mass[2] = {0.f, 0.f};     // before x, above the pivot
           uint32_t count[2] = {0u, 0u};
-          const int64_t vectors = ceil_div(p.vocab, kVec);
+          const int64_t vectors = masses.span.vectors();
 #pragma unroll 4
           for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
             float pv[kVec];
-            masses.load(v, pv);
+            const int n = masses.load(v, pv);
+            const int64_t first = masses.span.first(v);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
-              const int64_t j = v * kVec + e;
-              if (j < p.vocab && before(pv[e], j, {px, x})) {
+              if (e < n && before(pv[e], first + e, {px, x})) {
                 mass[0] += pv[e];
                 count[0] += 1u;
               }
-              if (j < p.vocab && pv[e] > pivot) {
+              if (e < n && pv[e] > pivot) {
                 mass[1] += pv[e];
                 count[1] += 1u;
               }
@@ -300,14 +327,10 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
 template <int kWarp>
 const char* run_sampling(const SamplingParams& p, gpuStream_t stream) {
   if (p.batch == 0) return nullptr;
-  const bool wide = p.vocab % 4 == 0 && p.probs_stride % 4 == 0 && aligned16(p.probs);
-  return with_bool(wide, [&](auto wide_c) {
-    constexpr int kVec = decltype(wide_c)::value ? 4 : 1;
-    const auto kernel = sampling_kernel<kSamplingThreads, kWarp, kVec>;
-    const int64_t blocks = p.batch < kMaxBlocks ? p.batch : kMaxBlocks;
-    FK_LAUNCH(kernel, dim3(unsigned(blocks)), dim3(kSamplingThreads), stream)(p);
-    return last_launch_error();
-  });
+  const auto kernel = sampling_kernel<kSamplingThreads, kWarp, 4>;  // any row: RowSpan's scalar head and tail
+  const int64_t blocks = p.batch < kMaxBlocks ? p.batch : kMaxBlocks;
+  FK_LAUNCH(kernel, dim3(unsigned(blocks)), dim3(kSamplingThreads), stream)(p);
+  return last_launch_error();
 }
 
 // ---- renormalization: radix select ----
@@ -317,6 +340,14 @@ const char* run_sampling(const SamplingParams& p, gpuStream_t stream) {
 FK_HOST_DEVICE uint32_t order_key(float x) {
   const uint32_t b = bit_cast<uint32_t>(x) == 0x80000000u ? 0u : bit_cast<uint32_t>(x);
   return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+// The key of a T value read as float: a 16-bit value's low 10 key bits are those its sign gives (a NaN's
+// payload may set others on conversion), so two radix passes pin a 16-bit key.
+template <typename T>
+FK_HOST_DEVICE uint32_t value_key(float x) {
+  const uint32_t key = order_key(x);
+  if constexpr (sizeof(T) == 2) return key >> 31 ? key & ~0x3ffu : key | 0x3ffu;
+  return key;
 }
 FK_HOST_DEVICE float key_value(uint32_t key) { return bit_cast<float>(key & 0x80000000u ? key & 0x7fffffffu : ~key); }
 
@@ -350,16 +381,8 @@ struct RenormShared {
 template <typename T, int kVec>
 struct RowValues {
   const T* row;
-  int64_t vocab;
-  FK_DEVICE int load(int64_t v, float (&x)[kVec]) const {
-    Vec<T, kVec> vec;
-    const int64_t first = v * kVec;
-    const int n = int(vocab - first < kVec ? vocab - first : kVec);
-    vec.load(row + first, n);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) x[e] = vec.f(e);
-    return n;
-  }
+  RowSpan<kVec> span;
+  FK_DEVICE int load(int64_t v, float (&x)[kVec]) const { return span.load(row, v, x); }
 };
 
 template <int kThreads, int kWarp, typename T, int kVec>
@@ -372,10 +395,12 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
   FK_STATIC_SHARED(RenormShared, shared, [1]);
   RenormShared& sh = shared[0];
   const bool by_mass = p.kind == RenormKind::top_p_probs;
-  const int64_t vectors = ceil_div(p.vocab, kVec);
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
-    const RowValues<T, kVec> in{static_cast<const T*>(p.in) + r * p.in_stride, p.vocab};
+    const T* in_row = static_cast<const T*>(p.in) + r * p.in_stride;
+    const RowValues<T, kVec> in{in_row, RowSpan<kVec>::of(in_row, p.vocab)};
+    const int64_t vectors = in.span.vectors();
     T* out = static_cast<T*>(p.out) + r * p.out_stride;
+    const bool out_wide = reinterpret_cast<uintptr_t>(out + in.span.head) % 16 == 0;  // its vectors line up with the input's
     const int64_t k = p.top_k_arr != nullptr ? p.top_k_arr[r] : p.top_k;
     const float top_p = p.top_p_arr != nullptr ? p.top_p_arr[r] : p.top_p;
     const bool keep_all = by_mass ? top_p >= 1.f : (k <= 0 || k >= p.vocab);  // NaN top_p: the first token
@@ -387,7 +412,10 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
     uint64_t limit = uint64_t(k > 0 ? k : 1);
     float kept_mass = 0.f;      // fp32 mass of the tokens decided kept (above the prefix)
     uint32_t tied = 0u;         // tokens with the threshold key
-    for (int pass = 0; pass < 3 && !keep_all; ++pass) {
+    // A 16-bit value's key has its low 10 bits fixed by its sign (value_key): two passes pin it, and the
+    // second's bins are single keys, as the third's are for fp32
+    constexpr int kLastPass = sizeof(T) == 2 ? 1 : 2;
+    for (int pass = 0; pass <= kLastPass && !keep_all; ++pass) {
       const int shift = radix_shift(pass), bins = pass == 2 ? 1024 : 2048;
       const int high_shift = pass == 0 ? 32 : radix_shift(pass - 1);  // bits above this digit are the prefix
       for (int i = threadIdx.x; i < kRadixBins; i += kThreads) {
@@ -403,7 +431,7 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
           if (e >= n) continue;
-          const uint32_t key = order_key(x[e]);
+          const uint32_t key = value_key<T>(x[e]);
           const uint32_t high = high_shift == 32 ? 0u : key >> high_shift;
           if (high == prefix) {
             const uint32_t bin = (key >> shift) & uint32_t(bins - 1);
@@ -424,7 +452,7 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
         limit = uint64_t(l) + (double(uint64_t(l)) < l ? 1u : 0u);  // kept iff mass before < top_p * mass
         limit = limit > 0u ? limit : 1u;
       }
-      if (pass == 2) kept_mass = block_reduce<kThreads, kWarp>(decided, sh.f, SumOp{});
+      if (pass == kLastPass) kept_mass = block_reduce<kThreads, kWarp>(decided, sh.f, SumOp{});
       // Bins from the top: thread t owns bins (bins - 1 - t * per, ...) downward.
       const int per = bins / kThreads;
       uint64_t own = 0u;
@@ -454,11 +482,15 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
         sh.above_weight = w;
       }
       // The last digit's bins hold single keys: the fp32 mass of those above the chosen one.
+      const auto full_key = [&](int bin) {  // the key of the last pass's bin
+        if (pass == 2) return prefix << 10 | uint32_t(bin);
+        return (prefix << 11 | uint32_t(bin)) << 10 | (prefix >> 10 ? 0u : 0x3ffu);  // 16-bit: the sign's low bits
+      };
       float above_bins = 0.f;
-      if (pass == 2) {
+      if (pass == kLastPass) {
         for (int i = 0; i < per; ++i) {
           const int bin = bins - 1 - (int(threadIdx.x) * per + i);
-          const float value = key_value(prefix << 10 | uint32_t(bin));
+          const float value = key_value(full_key(bin));
           if (bin > chosen_bin && value > 0.f) above_bins += float(sh.count[bin]) * value;
         }
         above_bins = block_reduce<kThreads, kWarp>(above_bins, sh.f, SumOp{});
@@ -466,8 +498,8 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
       __syncthreads();
       above = sh.above_weight;
       tied = sh.count[chosen_bin];
-      prefix = prefix << (pass == 2 ? 10 : 11) | uint32_t(chosen_bin);
-      if (pass == 2) kept_mass += above_bins;
+      prefix = pass == kLastPass ? full_key(chosen_bin) : prefix << 11 | uint32_t(chosen_bin);
+      if (pass == kLastPass) kept_mass += above_bins;
       __syncthreads();  // the histograms are read before the next pass clears them
     }
 
@@ -505,7 +537,7 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
       const int n = v < vectors ? in.load(v, x) : 0;
       uint32_t mine = 0u;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) mine += e < n && order_key(x[e]) == prefix ? 1u : 0u;
+      for (int e = 0; e < kVec; ++e) mine += e < n && value_key<T>(x[e]) == prefix ? 1u : 0u;
       uint32_t rank = tied_before;
       if (ranks) {  // uniform
         const PrefixSum<uint32_t> s = block_prefix_sum<kThreads, kWarp>(mine, sh.u32);
@@ -516,14 +548,21 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) renorm_kernel(RenormParams p) {
         Vec<T, kVec> y;
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          bool keep = keep_all || order_key(x[e]) > prefix;
-          if (!keep && order_key(x[e]) == prefix) keep = rank++ < take;
+          bool keep = keep_all || value_key<T>(x[e]) > prefix;
+          if (!keep && value_key<T>(x[e]) == prefix) keep = rank++ < take;
           if (p.kind == RenormKind::top_k_logits)
             y.set(e, keep ? x[e] : -INFINITY);
           else
             y.set(e, keep && x[e] > 0.f ? x[e] * scale : 0.f);
         }
-        y.store(out + v * kVec, n);
+        T* o = out + in.span.first(v);
+        if (out_wide) {
+          y.store(o, n);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (e < n) o[e] = y.get(e);
+        }
       }
     }
     __syncthreads();  // shared memory is free for the next row
@@ -535,16 +574,10 @@ const char* run_renorm(const RenormParams& p, gpuStream_t stream) {
   if (p.rows == 0 || p.vocab == 0) return nullptr;
   return with_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
-    constexpr int kVec = kVec16<T>;
-    const bool wide = p.vocab % kVec == 0 && p.in_stride % kVec == 0 && p.out_stride % kVec == 0 &&
-                      aligned16(p.in) && aligned16(p.out);
-    return with_bool(wide, [&](auto wide_c) {
-      constexpr int kV = decltype(wide_c)::value ? kVec : 1;
-      const auto kernel = renorm_kernel<kSamplingThreads, kWarp, T, kV>;
-      const int64_t blocks = p.rows < kMaxBlocks ? p.rows : kMaxBlocks;
-      FK_LAUNCH(kernel, dim3(unsigned(blocks)), dim3(kSamplingThreads), stream)(p);
-      return last_launch_error();
-    });
+    const auto kernel = renorm_kernel<kSamplingThreads, kWarp, T, kVec16<T>>;  // any row: RowSpan
+    const int64_t blocks = p.rows < kMaxBlocks ? p.rows : kMaxBlocks;
+    FK_LAUNCH(kernel, dim3(unsigned(blocks)), dim3(kSamplingThreads), stream)(p);
+    return last_launch_error();
   });
 }
 

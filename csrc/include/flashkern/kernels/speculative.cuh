@@ -38,11 +38,11 @@ struct ResidualMasses {
   float a;
   const int32_t* excluded;
   int excluded_count;
-  int64_t vocab;
+  RowSpan<kVec> span;  // head 0: the launcher takes 16-byte vectors only when every row starts on 16 bytes
 
   FK_DEVICE void operator()(int64_t v, float (&m)[kVec]) const {
-    const int64_t first = v * kVec;
-    const int n = int(vocab - first < kVec ? vocab - first : kVec);
+    const int64_t first = span.first(v);
+    const int n = span.size(v);
     Vec<float, kVec> pv, qv;
     pv.load(p + first, n);
     if (q != nullptr && a != 0.f) qv.load(q + first, n);
@@ -59,10 +59,10 @@ struct ResidualMasses {
 // A token drawn with probability mass(j) / sum(mass); bound: an estimate of the sum (the pass is
 // repeated with the exact sum when it was too small, or the target fell past the mass). -1: no mass.
 template <int kThreads, int kWarp, int kVec, typename Masses>
-FK_DEVICE int64_t draw_token(int64_t vocab, const Masses& masses, float bound, const RowRandom& random,
-                             uint32_t& draw, SamplingShared& sh) {
+FK_DEVICE int64_t draw_token(const Masses& masses, float bound, const RowRandom& random, uint32_t& draw,
+                             SamplingShared& sh) {
   for (int attempt = 0; attempt < 64; ++attempt) {
-    const Drawn d = draw_by_mass<kThreads, kWarp, kVec>(vocab, masses, random.uniform(draw++) * bound, sh);
+    const Drawn d = draw_by_mass<kThreads, kWarp, kVec>(masses, random.uniform(draw++) * bound, sh);
     if (!(d.mass > 0.f) || !finite(d.mass)) return -1;
     if (d.mass <= bound && d.token >= 0) return d.token;
     bound = d.mass;
@@ -103,7 +103,7 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
     while (emitted < 0) {
       if (p.mode == SpeculativeMode::greedy) {
         // The argmax of the target at u, ties to the lowest index.
-        const RowValues<T, kVec> row{target_row(u), p.vocab};
+        const RowValues<T, kVec> row{target_row(u), {p.vocab, 0}};
         float best = -INFINITY;
         int64_t best_index = INT64_MAX;
         for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
@@ -156,7 +156,7 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
           for (int s = c + 1; s < p.nodes && !more; ++s) more = parent(s) == u;
           if (more) {
             float sum = 0.f;
-            const ResidualMasses<kVec> masses{pr, qr, a, sh.excluded, 0, p.vocab};
+            const ResidualMasses<kVec> masses{pr, qr, a, sh.excluded, 0, {p.vocab, 0}};
             for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
               float m[kVec];
               masses(v, m);
@@ -185,12 +185,11 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
         accept(next);
         continue;
       }
-      const ResidualMasses<kVec> residual{pr, qr, a, sh.excluded, excluded, p.vocab};
-      emitted = draw_token<kThreads, kWarp, kVec>(p.vocab, residual, z > 0.f ? z * kMassBound : 1.f, random, draw,
-                                                   sh.sampling);
+      const ResidualMasses<kVec> residual{pr, qr, a, sh.excluded, excluded, {p.vocab, 0}};
+      emitted = draw_token<kThreads, kWarp, kVec>(residual, z > 0.f ? z * kMassBound : 1.f, random, draw, sh.sampling);
       if (emitted < 0) {  // no residual mass left (p == q, or rounding): the target itself
-        const ResidualMasses<kVec> target{pr, nullptr, 0.f, sh.excluded, 0, p.vocab};
-        emitted = draw_token<kThreads, kWarp, kVec>(p.vocab, target, kMassBound, random, draw, sh.sampling);
+        const ResidualMasses<kVec> target{pr, nullptr, 0.f, sh.excluded, 0, {p.vocab, 0}};
+        emitted = draw_token<kThreads, kWarp, kVec>(target, kMassBound, random, draw, sh.sampling);
       }
       if (emitted < 0) emitted = 0;  // a target row without mass
       } else {
