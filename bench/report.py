@@ -61,6 +61,9 @@ def markdown(rows, sources):
             f"- peak bandwidth {_fmt(m.get('peak_gbps'), '.0f')} GB/s (memory clock x bus width); "
             f"copy bandwidth measured in the same run {_fmt(m.get('copy_gbps'), '.0f')} GB/s; set: {m.get('bench_set')}",
         ]
+        if m.get("gpu") is None:  # a run without a GPU: the benchmark code's smoke run, not a measurement
+            lines.append("- **CPU smoke run**: flashkern ran its pure-torch reference backend here, not its kernels; "
+                         "these numbers check the benchmark code and are no performance claim")
         if m.get("missing_providers"):
             lines.append("- not run: " + "; ".join(f"{k} ({v})" for k, v in sorted(m["missing_providers"].items())))
     lines += [f"- source: {', '.join(str(s) for s in sources)}", ""]

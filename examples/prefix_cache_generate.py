@@ -78,18 +78,22 @@ class PagedLlama:
                               lambda i, q: self.prefill.run(q, self.kv[i]))
         return int(logits[-1].argmax())
 
-    def generate(self, prompts, max_new_tokens):
-        """Greedy continuations of `prompts` (lists of token ids), all requests decoded together."""
+    def generate(self, prompts, max_new_tokens, progress=print):
+        """Greedy continuations of `prompts` (lists of token ids), all requests decoded together; `progress`
+        gets a line per prefill and per decode step (None: quiet)."""
+        say = progress or (lambda *_: None)
         requests, next_tokens, self.shared_tokens = [], [], 0
-        for prompt in prompts:  # one at a time, published at once: later prompts share the cached pages
+        for i, prompt in enumerate(prompts):  # one at a time, published at once: later prompts share cached pages
             r = self.cache.start(prompt)
             self.shared_tokens += r.cached_tokens
             next_tokens.append(self.prefill_one(r))
             self.cache.publish(r)
             requests.append(r)
+            say(f"prefill {i + 1}/{len(prompts)}: {len(prompt)} tokens, {r.cached_tokens} from the cache", flush=True)
         out = [[t] for t in next_tokens]
         cascade = None
-        for _ in range(max_new_tokens - 1):
+        for step in range(max_new_tokens - 1):
+            say(f"decode step {step + 1}/{max_new_tokens - 1}: {len(requests)} requests through the cascade", flush=True)
             for r, t in zip(requests, next_tokens):
                 self.cache.append(r, [t])
             plan = self.cache.plan_cascade(requests)
@@ -165,6 +169,7 @@ def main(device="cpu", max_new_tokens=8):
     paged = PagedLlama(model)
     batch = prompts()
     ours = paged.generate(batch, max_new_tokens)
+    print("comparing with Hugging Face generate() ...", flush=True)
     verdicts = compare(model, batch, ours, max_new_tokens)
     print(f"{verdicts.count('equal')} of {len(batch)} requests equal Hugging Face generate() (float16); "
           f"{paged.shared_tokens} prompt tokens were shared, not prefilled")

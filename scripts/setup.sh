@@ -2,8 +2,11 @@
 # Sets up a fresh machine for flashkern and builds it from source, into ./.venv:
 #   system packages  hipcc + ROCm device libraries (HIP compile checks), ccache, cmake, ninja
 #   Python           a virtualenv with torch==2.14.1, the test tools, and flashkern itself
-# CUDA kernels are built when nvcc is found ($CUDA_HOME, /usr/local/cuda or PATH); a GPU is not
-# needed to build. Safe to run again: what is there already is reused.
+# The torch build follows the machine (scripts/torch_choice.sh): CUDA where an NVIDIA toolkit or driver is,
+# ROCm where an AMD GPU driver is (from FLASHKERN_ROCM_INDEX, default PyTorch's rocm6.4 index), CPU-only
+# elsewhere (PyTorch's cpu index); FLASHKERN_TORCH=cuda|rocm|cpu chooses. CUDA kernels are built when nvcc
+# is found ($CUDA_HOME, /usr/local/cuda or PATH); a GPU is not needed to build. Safe to run again: what is
+# there already is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +28,14 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
-pip install setuptools wheel torch==2.14.1 numpy pytest pytest-benchmark expecttest ninja matplotlib transformers==5.24.0
+torch_build=$(bash scripts/torch_choice.sh)
+case $torch_build in
+  cuda) pip install torch==2.14.1 ;;
+  rocm) pip install torch==2.14.1 --index-url "${FLASHKERN_ROCM_INDEX:-https://download.pytorch.org/whl/rocm6.4}" ;;
+  cpu) pip install torch==2.14.1 --index-url https://download.pytorch.org/whl/cpu ;;
+esac
+echo "setup: torch 2.14.1, the $torch_build build ($(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
+pip install setuptools wheel numpy pytest pytest-benchmark expecttest ninja matplotlib transformers==5.24.0
 
 start=$(date +%s)
 PATH="$PWD/.venv/bin:$PATH" pip install --no-build-isolation .

@@ -83,6 +83,15 @@ def _emulate_backend(request):
         flashkern.set_backend(previous)
 
 
+def subprocess_limit(alone_seconds):
+    """A subprocess's time limit from what it takes alone on 2 idle cores: 20 times that (FLASHKERN_TEST_LIMIT_SCALE),
+    times the load average per core when it is above 1, so that a busy machine makes a run slower, not red; the
+    limit only stops a hang."""
+    scale = float(os.environ.get("FLASHKERN_TEST_LIMIT_SCALE", "20"))
+    load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 1.0
+    return alone_seconds * scale * max(1.0, load)
+
+
 def emulated(device):
     """True for an Emulated device: the kernels run, not the reference (their semantics, e.g. NaN where
     the reference raises; their size limits; an emulation thousands of times slower than a GPU)."""

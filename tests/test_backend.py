@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import GPU, assert_close, rand, requires_gpu
+from conftest import GPU, assert_close, rand, requires_gpu, subprocess_limit
 
 import flashkern
 from flashkern import _backend, ref
@@ -17,7 +17,7 @@ from flashkern import _backend, ref
 
 def run_cli(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "flashkern", *args], capture_output=True, text=True, timeout=600, env=env
+        [sys.executable, "-m", "flashkern", *args], capture_output=True, text=True, timeout=subprocess_limit(60), env=env
     )
 
 
@@ -78,20 +78,71 @@ def test_cli_info_and_check():
     assert json.loads(info.stdout)["built_backend"] == flashkern.info()["built_backend"]
     text = run_cli("info")
     assert "devices:" in text.stdout and "rmsnorm" in text.stdout
+    assert "modules: _C (" in text.stdout and "_emulate (" in text.stdout and "_emulate_wave64 (" in text.stdout
     check = run_cli("check")
     assert check.returncode == 0, check.stdout + check.stderr
     last = check.stdout.strip().splitlines()[-1]
     assert last.endswith("passed, 0 failed") and not last.startswith("0 passed")
 
 
-def test_check_catches_a_wrong_answer(monkeypatch):
-    """check() compares, it does not just run: a broken op shows up as FAIL."""
+def test_check_covers_every_family():
+    rows = flashkern.check(devices=["cpu"])
+    check_module = importlib.import_module("flashkern.check")
+    assert {r["family"] for r in rows} == set(check_module.FAMILIES)
+    assert {"norms", "activations", "rope", "merge", "decode", "prefill", "cascade", "softmax", "renorm", "sampling",
+            "speculative", "optimizer", "prefix cache"} <= set(check_module.FAMILIES)
+    assert all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+
+
+def test_cli_check_under_emulate():
+    """The main job through the kernels' own code: every family, passed."""
+    out = run_cli("check", "--backend", "emulate", "--json")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr
+    rows = json.loads(out.stdout)
+    assert {r["backend"] for r in rows} == {"emulate"} and all(r["passed"] for r in rows)
+    assert len({r["family"] for r in rows}) == len(importlib.import_module("flashkern.check").FAMILIES)
+
+
+def test_check_catches_a_wrong_answer(monkeypatch, capsys):
+    """check() compares, it does not just run: a broken op shows up as FAIL, and the command exits 1; an op
+    that raises is a failed row, not an aborted check."""
     check_module = importlib.import_module("flashkern.check")  # flashkern.check is the function
 
     monkeypatch.setattr(check_module.norm, "rmsnorm", lambda x, w, **kw: ref.rmsnorm(x, w) * 1.01)
     rows = flashkern.check(devices=["cpu"], dtypes=(torch.float32,))
     failed = {r["op"] for r in rows if not r["passed"]}
     assert failed == {"rmsnorm"}
+    from flashkern import cli
+
+    assert cli.main(["check", "--family", "norms", "--device", "cpu"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(check_module.sampling, "softmax", broken)
+    rows = flashkern.check(devices=["cpu"], dtypes=(torch.float32,), families=["softmax", "merge"])
+    assert [r["error"] for r in rows if not r["passed"]] == ["RuntimeError: planted"]
+    assert any(r["family"] == "merge" and r["passed"] for r in rows)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "--backend", "bogus"], "FLASHKERN_BACKEND must be one of"),
+    (["check", "--family", "nonsense"], "invalid choice: 'nonsense'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required"),
+    (["check", "--device", "nodevice"], "--device nodevice"),
+])
+def test_cli_errors_are_one_line(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_every_subcommand_has_help():
+    for command in ("info", "check"):
+        out = run_cli(command, "--help")
+        assert out.returncode == 0 and "--json" in out.stdout and "--backend" in out.stdout
+    assert "--family" in run_cli("check", "--help").stdout
 
 
 def test_forced_backend_from_environment(monkeypatch):
@@ -101,7 +152,7 @@ def test_forced_backend_from_environment(monkeypatch):
     assert json.loads(out.stdout)["forced_backend"] == "reference"
     env["FLASHKERN_BACKEND"] = "nonsense"
     bad = run_cli("info", env=env)
-    assert bad.returncode != 0 and "FLASHKERN_BACKEND must be one of" in bad.stderr
+    assert bad.returncode == 2 and "FLASHKERN_BACKEND must be one of" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_reference_is_used_for_gpu_tensors_when_no_kernels(monkeypatch):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,7 +29,7 @@ def bench_json(tmp_path_factory):
     env = {**os.environ, "FLASHKERN_BENCH_SET": "smoke", "FLASHKERN_COMMIT": "test-commit"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", f"--benchmark-json={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=subprocess_limit(60),
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     assert "providers not run:" in run.stdout  # peers absent here are named, not dropped
@@ -72,7 +73,7 @@ def test_clock_reports_time_per_launch():
 
 def test_report_writes_table_and_plot(bench_json, tmp_path):
     run = subprocess.run([sys.executable, "-m", "bench.report", str(bench_json), "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=subprocess_limit(15))
     assert run.returncode == 0, run.stderr
     md = (tmp_path / "bench.md").read_text()
     for op in OPS:
@@ -80,6 +81,8 @@ def test_report_writes_table_and_plot(bench_json, tmp_path):
     assert "| flashkern |" in md and "vs torch" in md and "test-commit" in md and "not run:" in md
     assert "vs flashkern (no cascade)" in md
     assert "TFLOP/s" in md  # prefill is measured in FLOPs of the unmasked work
+    gpu = json.loads(bench_json.read_text())["machine_info"]["flashkern"].get("gpu")
+    assert ("CPU smoke run" in md) == (gpu is None)  # a CPU run is labelled, not read as a performance claim
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

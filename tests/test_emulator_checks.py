@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
@@ -61,8 +62,8 @@ def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(run, timeout=2400):
-    log, _ = run.communicate(timeout=timeout)
+def finish(run, alone_seconds=300):
+    log, _ = run.communicate(timeout=subprocess_limit(alone_seconds))
     return run.returncode, log
 
 

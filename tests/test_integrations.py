@@ -117,12 +117,48 @@ def test_only_what_is_asked(restore_rope):
     assert replaced["rmsnorm"] == [] and replaced["rope"] == [] and len(replaced["swiglu"]) == 2
 
 
-def test_a_refusal_leaves_the_model_untouched(restore_rope):
+def test_an_activation_without_a_kernel_stays_as_it_was(restore_rope):
+    """A ReLU MLP: the norms and RoPE are patched, the MLPs left on their path, named in the result and a
+    warning; the logits are the model's."""
     config = transformers.Qwen3Config(**SMALL, head_dim=16, hidden_act="relu")
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"uses activation ReLU.*, which flashkern has no kernel for"):
-        apply_flashkern(model)
-    assert not any("forward" in m.__dict__ for m in model.modules()), "nothing may be patched"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(4))
+    expected = copy.deepcopy(model)(input_ids=ids).logits
+    with pytest.warns(UserWarning, match=r"left on their original path: model.layers.0.mlp \(activation ReLU"):
+        replaced = apply_flashkern(model)
+    assert replaced["swiglu"] == [] and set(replaced["skipped"]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert replaced["rmsnorm"] and replaced["rope"]
+    assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "Qwen3MLP")
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, **MODEL_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_at_a_head_dim_the_kernels_do_not_take(dtype, restore_rope):
+    """head_dim 32: in float16 the attention stays the model's (the kernels take 64, 128 or 256), the rest is
+    patched, and greedy generation matches the unpatched model; in float32 the reference runs attention."""
+    config = transformers.LlamaConfig(**SMALL, head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    original = copy.deepcopy(model)
+    default = model.config._attn_implementation
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5))
+    if dtype == torch.float16:
+        with pytest.warns(UserWarning, match=r"attention \(head_dim 32: the attention kernels take 64, 128 or 256\)"):
+            replaced = apply_flashkern(model, attention=True)
+        assert replaced["attention"] == [] and model.config._attn_implementation == default
+    else:
+        replaced = apply_flashkern(model, attention=True)
+        assert replaced["attention"] == [default] and "attention" not in replaced["skipped"]
+    assert replaced["rmsnorm"] and replaced["swiglu"] and replaced["rope"]
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=8, do_sample=False)
+        reference = original.generate(ids, max_new_tokens=8, do_sample=False)
+    assert generated.shape == reference.shape
+    if dtype == torch.float32:
+        assert torch.equal(generated, reference)
+    else:  # float16 kernels against float16 torch: the first new tokens agree (later ones may flip on a near-tie)
+        assert torch.equal(generated[:, :8], reference[:, :8])
 
 
 def test_dtypes_the_kernels_do_not_take_run_as_before(restore_rope):

@@ -268,6 +268,30 @@ def test_renorm(device, dtype):
     assert torch.equal(masked[keep], logits[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_renorm_views_and_special_values(device, dtype):
+    """Rows starting off 16 bytes (a short first vector) in a view, so the fresh output does not line up with
+    the input (scalar stores); a row shorter than that first vector; -0, subnormals, negative values and
+    ties in 16-bit rows (two radix passes): exactly the reference's kept tokens."""
+    vocab = 37
+    base = torch.rand(4 * vocab + 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    base[5:9] = -0.0
+    base[10:14] = torch.finfo(torch.float16).tiny / 4 if dtype == torch.float16 else 1e-40
+    base[20:23] = -0.25
+    base[30:36] = base[40]  # ties
+    x = base.to(dtype)[3:].view(4, vocab)
+    for fn, kind, arg in ((flashkern.top_k_renorm_probs, "top_k_probs", 9), (flashkern.top_p_renorm_probs,
+                                                                             "top_p_probs", 0.6)):
+        got = fn(x.to(device), arg).cpu()
+        expected = ref.sampling.renorm(x, kind, **{kind[:5]: torch.full((4,), arg)})
+        assert torch.equal(got > 0, expected > 0), kind
+        torch.testing.assert_close(got.double(), expected.double(), atol=1e-2 if dtype != torch.float32 else 1e-6,
+                                   rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    short = x.flatten()[1:4].view(1, 3)  # 3 elements from an odd one: all in the first vector
+    got = flashkern.top_k_mask_logits(short.to(device), 2).cpu()
+    assert torch.equal(got, ref.sampling.renorm(short, "top_k_logits", top_k=torch.tensor([2])))
+
+
 def test_top_k_first_and_logits(device):
     """top_k_first is top-p of the renormalized top-k; the logits functions are those of softmax(logits).
     Emulated: a few samples, checked for their support only (the two kernels composed here have their

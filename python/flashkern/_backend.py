@@ -57,23 +57,35 @@ def _parse(name):
     return name
 
 
-_forced = _parse(os.environ.get("FLASHKERN_BACKEND"))
+# A wrong FLASHKERN_BACKEND is raised by the first op (and by `flashkern`'s commands, as a one-line error),
+# not by the import, so that a program can still import flashkern and call set_backend().
+try:
+    _forced, STARTUP_ERROR = _parse(os.environ.get("FLASHKERN_BACKEND")), None
+except (ValueError, RuntimeError) as e:
+    _forced, STARTUP_ERROR = "auto", e
+
+
+def _check_startup():
+    if STARTUP_ERROR is not None:
+        raise STARTUP_ERROR
 
 
 def set_backend(name: str) -> str:
     """Force a backend (see the top of this module): "auto", "reference", "cuda", "hip", "emulate" or
     "emulate-wave64"; returns the previous one."""
-    global _forced
-    previous, _forced = _forced, _parse(name)
+    global _forced, STARTUP_ERROR
+    previous, _forced, STARTUP_ERROR = _forced, _parse(name), None
     return previous
 
 
 def get_backend() -> str:
+    _check_startup()
     return _forced
 
 
 def use_reference(device: torch.device) -> bool:
     """True when an op on `device` must call the Python reference directly instead of torch.ops."""
+    _check_startup()
     if device.type in ("cpu", "meta"):
         return False  # torch.ops already runs the reference (CPU key) or the fake function (Meta)
     if _forced == "reference":
@@ -97,6 +109,7 @@ def register_cpu(op):
 
     def register(reference):
         def cpu(*args):
+            _check_startup()
             if _forced in EMULATED:
                 return getattr(getattr(torch.ops, EMULATED[_forced]), op)(*args)
             return reference(*args)

@@ -1,82 +1,209 @@
-"""`flashkern check`: every op on every available device against the float64 reference."""
+"""`flashkern check`: every op family on every available device, against the float64 references.
+
+Each family yields cases. A numeric case compares the op's answer with the float64 reference at the
+dtype's tolerance (flashkern.tolerances). A verdict case is an exact or statistical property where the
+answer is random or has no float64 twin: the tokens a sampling filter may draw (only those, and their
+frequencies within a bound far beyond chance: the seeds are fixed, so a run repeats bit for bit on one
+device and build), a speculative walk's outcome, an optimizer step against torch's AdamW, the prefix
+cache's cascade against flat decode. Sizes are small: the CPU reference path takes seconds a family.
+"""
 
 import torch
 
-from . import _backend, activation, attention, cascade, decode, norm, ref, rope, sampling
+from . import _backend, activation, attention, cascade, decode, norm, optim, prefill, ref, rope, sampling, spec
+from .prefix_cache import PrefixCache
 from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
 
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = {"norm": [(1, 1), (37, 769), (4, 4096), (3, 5, 128)], "act": [(1, 2), (37, 2 * 769), (4, 2 * 4096)]}
+
+
+class Verdict:
+    """A case decided by a property: `metric` is reported, `passed` says whether it held."""
+
+    def __init__(self, metric, passed):
+        self.metric, self.passed = float(metric), bool(passed)
 
 
 def _rand(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def _cases(device, dtype, gen):
-    """Yields (op, shape, actual, expected) for one device and dtype."""
+def _flat(*tensors):
+    return torch.cat([t.double().flatten().cpu() for t in tensors])
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _emulated(device):
+    return torch.device(device).type == "cpu" and _backend.get_backend() in _backend.EMULATED
+
+
+# ---------------------------------------------------------------- families: (op, shape, actual, expected)
+
+
+def _norms(device, dtype, gen):
     for shape in SHAPES["norm"]:
         x, res = _rand(shape, dtype, device, gen), _rand(shape, dtype, device, gen)
         w = _rand(shape[-1:], dtype, device, gen)
         for op, fn, offset in (("rmsnorm", norm.rmsnorm, 0.0), ("gemma_rmsnorm", norm.gemma_rmsnorm, 1.0)):
             yield op, shape, fn(x, w), ref.rmsnorm(x.double(), w.double(), 1e-6, offset)
-        for op, fn, offset in (
-            ("fused_add_rmsnorm", norm.fused_add_rmsnorm, 0.0),
-            ("gemma_fused_add_rmsnorm", norm.gemma_fused_add_rmsnorm, 1.0),
-        ):
+        for op, fn, offset in (("fused_add_rmsnorm", norm.fused_add_rmsnorm, 0.0),
+                               ("gemma_fused_add_rmsnorm", norm.gemma_fused_add_rmsnorm, 1.0)):
             xi, ri = x.clone(), res.clone()
             fn(xi, ri, w)
             expected_y, expected_r = ref.fused_add_rmsnorm(x.double(), res.double(), w.double(), 1e-6, offset)
-            yield op, shape, torch.cat([xi.flatten(), ri.flatten()]), torch.cat(
-                [expected_y.flatten(), expected_r.flatten()]
-            )
+            yield op, shape, _flat(xi, ri), _flat(expected_y, expected_r)
+
+
+def _activations(device, dtype, gen):
     for shape in SHAPES["act"]:
         x = _rand(shape, dtype, device, gen)
         for name in ("silu", "gelu", "gelu_tanh"):
-            fn = getattr(activation, f"{name}_and_mul")
-            yield f"{name}_and_mul", shape, fn(x), ref.act_and_mul(x.double(), name)
+            yield f"{name}_and_mul", shape, getattr(activation, f"{name}_and_mul")(x), ref.act_and_mul(x.double(), name)
+        d = shape[-1] // 2
+        yield "act_mul", shape, activation.act_mul(x[..., :d], x[..., d:]), ref.act_and_mul(x.double(), "silu")
 
 
-def _rope_cases(device, dtype, gen):
+def _rope(device, dtype, gen):
     tokens = 37
     q, k = _rand((tokens, 8, 128), dtype, device, gen), _rand((tokens, 2, 128), dtype, device, gen)
     pos = torch.randint(0, 32768, (tokens,), generator=gen).to(device)
+    inv_freq = theta_inv_freq(96, 5e5)
     for interleave in (False, True):
-        name = "apply_rope_pos_ids" + (" (interleave)" if interleave else "")
-        inv_freq = theta_inv_freq(96, 5e5).to(device)
         actual = rope.apply_rope_pos_ids(q, k, pos, rotary_dim=96, interleave=interleave, rope_theta=5e5)
-        expected = ref.rope(q.double(), k.double(), pos, inv_freq, interleave)
-        yield name, tuple(q.shape), torch.cat([a.flatten() for a in actual]), torch.cat([e.flatten() for e in expected])
-    cache = cos_sin_cache(theta_inv_freq(128, 1e4), 32768).to(device)
-    actual = rope.apply_rope_with_cos_sin_cache(pos, q.flatten(1), k.flatten(1), 128, cache)
-    expected = ref.rope(q.double(), k.double(), pos, cache)
-    yield "apply_rope_with_cos_sin_cache", tuple(q.shape), torch.cat([a.flatten() for a in actual]), torch.cat(
-        [e.flatten() for e in expected]
-    )
+        expected = ref.rope(q.double().cpu(), k.double().cpu(), pos.cpu(), inv_freq, interleave)
+        yield "apply_rope_pos_ids" + (" (interleave)" if interleave else ""), tuple(q.shape), _flat(*actual), \
+            _flat(*expected)
+    cache = cos_sin_cache(theta_inv_freq(128, 1e4), 32768)
+    actual = rope.apply_rope_with_cos_sin_cache(pos, q.flatten(1), k.flatten(1), 128, cache.to(device))
+    expected = ref.rope(q.double().cpu(), k.double().cpu(), pos.cpu(), cache)
+    yield "apply_rope_with_cos_sin_cache", tuple(q.shape), _flat(*actual), _flat(*expected)
 
 
-def _merge_cases(device, dtype, gen):
+def _merge(device, dtype, gen):
     v = _rand((37, 5, 8, 128), dtype, device, gen)
     s = (_rand((37, 5, 8), torch.float32, device, gen) * 4).float()
     s[3] = float("-inf")  # a token whose states are all empty
-    actual = attention.merge_states(v, s)
-    expected = ref.merge_states(v.double(), s.double())
-    yield "merge_states", tuple(v.shape), torch.cat([a.double().flatten() for a in actual]), torch.cat(
-        [e.flatten() for e in expected]
-    )
+    yield "merge_states", tuple(v.shape), _flat(*attention.merge_states(v, s)), _flat(*ref.merge_states(v.double(),
+                                                                                                          s.double()))
     a = attention.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
     e = ref.merge_state(v[:, 0].double(), s[:, 0].double(), v[:, 1].double(), s[:, 1].double())
-    yield "merge_state", tuple(v[:, 0].shape), torch.cat([x.double().flatten() for x in a]), torch.cat(
-        [x.flatten() for x in e]
-    )
+    yield "merge_state", tuple(v[:, 0].shape), _flat(*a), _flat(*e)
 
 
-def _renorm_cases(device, dtype, gen):
-    """The deterministic sampling ops: top-k / top-p renormalization and top-k logit masking (equal
-    infinities match) on peaked rows with a tail."""
+def _paged_cache(dtype, device, gen, lengths, kv_heads=2, head_dim=128, page_size=16):
+    """A shuffled paged cache holding `lengths` tokens a request: (cache, indptr, indices, last, pages)."""
+    pages = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages) + 2
+    cache = _rand((num_pages, 2, page_size, kv_heads, head_dim), dtype, device, gen)
+    indices = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(torch.int32)
+    indptr = _i32([0] + torch.tensor(pages).cumsum(0).tolist())
+    last = _i32([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)])
+    return cache, indptr, indices, last, pages
+
+
+def _decode(device, dtype, gen):
+    """Batch decode (GQA groups 4 and 8: the decode and the 16-row kernels) and a single request."""
+    if dtype == torch.float32:
+        return
+    kv_heads, head_dim, lengths = 2, 128, [1, 37, 0, 600]
+    cache, indptr, indices, last, pages = _paged_cache(dtype, device, gen, lengths)
+    workspace = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    for group in (4, 8):
+        q = _rand((len(lengths), kv_heads * group, head_dim), dtype, device, gen)
+        wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(workspace)
+        wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, 16, q_data_type=dtype)
+        out, lse = wrapper.run(q, cache, return_lse=True)
+        e_out, e_lse = ref.batch_decode(q.double().cpu(), cache.double().cpu(), indptr, indices, last)
+        yield f"batch_decode (group {group})", tuple(q.shape), _flat(out, lse), _flat(e_out, e_lse)
+    k, v = cache[indices[indptr[3]:].long()].transpose(0, 1).flatten(1, 2)[:, :600]
+    q1 = _rand((8, head_dim), dtype, device, gen)
+    out = decode.single_decode_with_kv_cache(q1, k, v)
+    yield "single_decode_with_kv_cache", tuple(q1.shape), _flat(out), _flat(ref.decode_attention(
+        q1.double().cpu(), k.double().cpu(), v.double().cpu())[0])
+
+
+def _cascade(device, dtype, gen):
+    """Two levels: request 3's 600 tokens shared by all four requests, then each request's own."""
+    if dtype == torch.float32:
+        return
+    kv_heads, head_dim, lengths = 2, 128, [1, 37, 0, 600]
+    cache, indptr, indices, last, pages = _paged_cache(dtype, device, gen, lengths)
+    levels = [list(t) for t in zip((_i32([0, 4]), _i32([0, pages[3]]), indices[indptr[3]:], last[3:]),
+                                   (_i32([0, 1, 2, 3, 4]), indptr, indices, last))]
+    wrapper = cascade.MultiLevelCascadeAttentionWrapper(2, torch.empty(16 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(*levels, kv_heads * 4, kv_heads, head_dim, 16, q_data_type=dtype)
+    q = _rand((4, kv_heads * 4, head_dim), dtype, device, gen)
+    yield "cascade (2 levels)", tuple(q.shape), _flat(wrapper.run(q, cache)), \
+        _flat(ref.cascade_decode(q.double().cpu(), cache.double().cpu(), *levels)[0])
+
+
+def _prefill_expected(q, k, v, qo_lens, kv_lens, **options):
+    rows, a, b = [], 0, 0
+    for n, m in zip(qo_lens, kv_lens):
+        rows.append(ref.attention.prefill_attention(q[a:a + n].double().cpu(), k[b:b + m].double().cpu(),
+                                                    v[b:b + m].double().cpu(), **options)[0])
+        a, b = a + n, b + m
+    return torch.cat(rows)
+
+
+def _prefill(device, dtype, gen):
+    """Ragged prefill, causal (a request with more queries than keys among them), with a window, with a
+    custom mask; paged prefill (causal); single prefill."""
+    if dtype == torch.float32:
+        return
+    kv_heads, group, head_dim, qo_lens, kv_lens = 2, 4, 64, [5, 17, 40], [5, 60, 30]
+    q = _rand((sum(qo_lens), kv_heads * group, head_dim), dtype, device, gen)
+    k, v = _rand((sum(kv_lens), kv_heads, head_dim), dtype, device, gen), _rand((sum(kv_lens), kv_heads, head_dim),
+                                                                                  dtype, device, gen)
+    qo_indptr, kv_indptr = _i32([0, 5, 22, 62]), _i32([0, 5, 65, 95])
+    workspace = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    masks = [torch.rand(n, m, generator=gen) < 0.6 for n, m in zip(qo_lens, kv_lens)]
+    for name, options, plan_options in (
+            ("causal", {"causal": True}, {"causal": True}),
+            ("window 8", {"causal": True, "window_left": 8}, {"causal": True, "window_left": 8}),
+            ("custom mask", {}, {"custom_mask": torch.cat([m.flatten() for m in masks])})):
+        wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        wrapper.plan(qo_indptr, kv_indptr, kv_heads * group, kv_heads, head_dim, q_data_type=dtype, **plan_options)
+        if name == "custom mask":
+            expected = torch.cat([ref.attention.prefill_attention(
+                q[a:a + n].double().cpu(), k[b:b + m].double().cpu(), v[b:b + m].double().cpu(), mask=mask)[0]
+                for n, m, a, b, mask in zip(qo_lens, kv_lens, qo_indptr.tolist(), kv_indptr.tolist(), masks)])
+        else:
+            expected = _prefill_expected(q, k, v, qo_lens, kv_lens, **options)
+        yield f"ragged prefill ({name})", tuple(q.shape), _flat(wrapper.run(q, k, v)), _flat(expected)
+    page_size = 16
+    cache, indptr, indices, last, _ = _paged_cache(dtype, device, gen, kv_lens, kv_heads, head_dim, page_size)
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    paged.plan(qo_indptr, indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, causal=True,
+               q_data_type=dtype)
+    kc = torch.cat([ref.attention.request_kv(cache[:, 0].cpu(), cache[:, 1].cpu(),
+                                             indices[indptr[i]:indptr[i + 1]].long(), last[i])[0] for i in range(3)])
+    vc = torch.cat([ref.attention.request_kv(cache[:, 0].cpu(), cache[:, 1].cpu(),
+                                             indices[indptr[i]:indptr[i + 1]].long(), last[i])[1] for i in range(3)])
+    yield "paged prefill (causal)", tuple(q.shape), _flat(paged.run(q, cache)), \
+        _flat(_prefill_expected(q, kc, vc, qo_lens, kv_lens, causal=True))
+    single = prefill.single_prefill_with_kv_cache(q[22:], k[65:], v[65:], causal=True)
+    yield "single_prefill_with_kv_cache", tuple(q[22:].shape), _flat(single), \
+        _flat(_prefill_expected(q[22:], k[65:], v[65:], [40], [30], causal=True))
+
+
+def _softmax(device, dtype, gen):
+    logits = (_rand((5, 9000), torch.float32, device, gen) * 3).to(dtype)
+    t = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3])
+    yield "softmax", tuple(logits.shape), sampling.softmax(logits, t.to(device)), \
+        ref.sampling.softmax(logits.double().cpu(), t)
+
+
+def _renorm(device, dtype, gen):
+    """top-k / top-p renormalization and top-k logit masking (equal infinities match)."""
     logits = (_rand((5, 1027), torch.float32, device, gen) * 3).to(dtype)
     probs = torch.softmax(logits.float(), dim=-1).to(dtype)
-    rows = torch.full((5,), 1)
+    rows = torch.ones(5, dtype=torch.int64)
     for op, fn, x, kind, kw in (("top_k_renorm_probs", sampling.top_k_renorm_probs, probs, "top_k_probs", {"top_k": 40}),
                                 ("top_p_renorm_probs", sampling.top_p_renorm_probs, probs, "top_p_probs", {"top_p": 0.7}),
                                 ("top_k_mask_logits", sampling.top_k_mask_logits, logits, "top_k_logits", {"top_k": 40})):
@@ -84,70 +211,147 @@ def _renorm_cases(device, dtype, gen):
         yield op, tuple(x.shape), fn(x, *kw.values()), ref.sampling.renorm(x.double().cpu(), kind, **per_row)
 
 
-def _paged_attention_cases(device, dtype, gen):
-    """Batch decode (GQA groups 4 and 8: both kernels), a two-level cascade and a single request, on a
-    shuffled paged cache, against the float64 references."""
-    if dtype not in (torch.float16, torch.bfloat16):
+def _sampling(device, dtype, gen):
+    """Each filter, n samples of one peaked row through `indices`: only kept tokens drawn, and the total
+    variation distance from the renormalized kept probabilities under 6 / sqrt(n) (chance gives about
+    sqrt(cells / n) / 2; a seed is fixed, so a run repeats)."""
+    if dtype != torch.float32:
         return
-    kv_heads, head_dim, page_size, lengths = 2, 128, 16, [1, 37, 0, 600]
-    pages = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages) + 2
-    cache = _rand((num_pages, 2, page_size, kv_heads, head_dim), dtype, device, gen)
-    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
-    indices = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(torch.int32)
-    indptr = i32([0] + torch.tensor(pages).cumsum(0).tolist())
-    last = i32([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)])
+    vocab = 40
+    probs = torch.softmax(torch.randn(vocab, generator=gen, dtype=torch.float64) * 1.5, 0).float()
+    n = 64 if _emulated(device) else 20000  # the emulation runs a 1024-thread block per sample
+    indices = torch.zeros(n, dtype=torch.int32, device=device)
+    one = torch.ones(1, dtype=torch.int64)
+    for op, fn, keep in (
+            ("sampling_from_probs", lambda p: sampling.sampling_from_probs(p, indices, seed=1, offset=0), {}),
+            ("top_k_sampling_from_probs", lambda p: sampling.top_k_sampling_from_probs(p, 5, indices, seed=2, offset=0),
+             {"top_k": one * 5}),
+            ("top_p_sampling_from_probs", lambda p: sampling.top_p_sampling_from_probs(p, 0.6, indices, seed=3, offset=0),
+             {"top_p": one * 0.6}),
+            ("min_p_sampling_from_probs", lambda p: sampling.min_p_sampling_from_probs(p, 0.2, indices, seed=4, offset=0),
+             {"min_p": one * 0.2}),
+            ("top_k_top_p_sampling_from_probs (joint)", lambda p: sampling.top_k_top_p_sampling_from_probs(
+                p, 5, 0.6, indices, filter_apply_order="joint", seed=5, offset=0), {"top_k": one * 5, "top_p": one * 0.6})):
+        drawn = fn(probs[None].to(device)).long().cpu()
+        kept = ref.sampling.kept(probs[None], **keep)[0]
+        expected = torch.where(kept, probs.double(), 0.0)
+        expected /= expected.sum()
+        frequency = torch.bincount(drawn, minlength=vocab).double() / n
+        distance = 0.5 * float((frequency - expected).abs().sum())
+        yield op, (n, vocab), Verdict(distance, bool(kept[drawn].all()) and distance <= 6 / n**0.5), None
+
+
+def _speculative(device, dtype, gen):
+    """Chain speculative sampling with the draft equal to the target (every draft token accepted) and
+    one-hot target rows (the bonus token is certain); greedy tree verification against the reference's walk."""
+    if dtype != torch.float32:
+        return
+    batch, n, vocab = 3, 4, 50
+    ids = torch.randint(0, vocab, (batch, n), generator=gen, dtype=torch.int32)
+    target = torch.zeros(batch, n + 1, vocab)
+    target.scatter_(2, torch.cat([ids, ids[:, :1]], 1).long()[..., None], 1.0)
+    tokens, accepted, emitted = sampling.chain_speculative_sampling(target[:, :n].to(device), ids.to(device),
+                                                                    target.to(device), seed=1, offset=0)
+    expected = torch.cat([ids, ids[:, :1]], 1)
+    ok = torch.equal(tokens.cpu(), expected) and bool((accepted.cpu() == n).all()) and bool((emitted.cpu() == n).all())
+    yield "chain_speculative_sampling", (batch, n, vocab), Verdict(0.0 if ok else 1.0, ok), None
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    candidates = torch.randint(0, vocab, (batch, len(parents)), generator=gen, dtype=torch.int32)
+    logits = torch.randn(batch, len(parents), vocab, generator=gen)
+    for b in range(batch):  # make the walk go deep: node 1's token is the root's argmax, node 3's node 1's
+        logits[b, 0, candidates[b, 1]] = logits[b, 1, candidates[b, 3]] = 10.0
+    got = spec.verify_tree_greedy(candidates.to(device), parents, logits.to(device))
+    want = ref.sampling.speculative(logits, None, candidates, 0, torch.tensor(parents, dtype=torch.int32), "greedy",
+                                    None)
+    ok = all(torch.equal(g.cpu().long(), w.long()) for g, w in zip(got, want[:3]))
+    yield "verify_tree_greedy", (batch, len(parents), vocab), Verdict(0.0 if ok else 1.0, ok), None
+
+
+def _optimizer(device, dtype, gen):
+    """Three AdamW steps with global clipping against torch.optim.AdamW after clip_grad_norm_, float32."""
+    if dtype != torch.float32:
+        return
+    shapes, worst = [(7,), (33, 5), (4097,)], 0.0
+    params = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ours = optim.AdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    theirs = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+        for p, t, g in zip(params, twins, grads):
+            p.grad, t.grad = g.clone(), g.clone()
+        ours.step()
+        torch.nn.utils.clip_grad_norm_(twins, 0.5)
+        theirs.step()
+    yield "optim.AdamW (clip 0.5, 3 steps)", (len(shapes),), _flat(*[p.detach() for p in params]), \
+        _flat(*[t.detach() for t in twins])
+
+
+def _prefix_cache(device, dtype, gen):
+    """Three requests over shared prefixes: attention through the planned cascade equals flat decode."""
+    if dtype != torch.float16:
+        return
+    page_size, kv_heads, head_dim = 4, 2, 64
+    pc = PrefixCache(64, page_size)
+    system = torch.randint(0, 1000, (13,), generator=gen).tolist()
+    first = pc.start(system)
+    pc.publish(first)
+    requests = [first] + [pc.start(system[:8] + torch.randint(0, 1000, (m,), generator=gen).tolist()) for m in (3, 9)]
+    cache = _rand((64, 2, page_size, kv_heads, head_dim), dtype, device, gen)
+    q = _rand((3, kv_heads * 4, head_dim), dtype, device, gen)
     workspace = torch.empty(16 << 20, dtype=torch.uint8, device=device)
-    for group in (4, 8):
-        q = _rand((len(lengths), kv_heads * group, head_dim), dtype, device, gen)
-        wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(workspace)
-        wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
-        out, lse = wrapper.run(q, cache, return_lse=True)
-        e_out, e_lse = ref.batch_decode(q.double(), cache.double(), indptr, indices, last)
-        yield f"batch_decode (group {group})", tuple(q.shape), torch.cat([out.double().flatten(), lse.double().flatten()]), \
-            torch.cat([e_out.flatten(), e_lse.flatten()])
-    # level 0: request 3's pages shared by all four requests; level 1: each request's own pages
-    shared = (i32([0, 4]), i32([0, pages[3]]), indices[indptr[3] :], last[3:])
-    own = (i32([0, 1, 2, 3, 4]), indptr, indices, last)
-    levels = [list(t) for t in zip(shared, own)]
-    wrapper = cascade.MultiLevelCascadeAttentionWrapper(2, workspace)
-    wrapper.plan(*levels, kv_heads * 4, kv_heads, head_dim, page_size, q_data_type=dtype)
-    q = _rand((4, kv_heads * 4, head_dim), dtype, device, gen)
-    out = wrapper.run(q, cache)
-    yield "cascade (2 levels)", tuple(q.shape), out.double().flatten(), ref.cascade_decode(q.double(), cache.double(), *levels)[0].flatten()
-    k, v = cache[indices[indptr[3] :].long()].transpose(0, 1).flatten(1, 2)[:, :600]
-    q1 = q[0]
-    out = decode.single_decode_with_kv_cache(q1, k, v)
-    e = ref.decode_attention(q1.double(), k.double(), v.double())[0]
-    yield "single_decode_with_kv_cache", tuple(q1.shape), out.double().flatten(), e.flatten()
+    flat = pc.plan_decode(requests)
+    dec = decode.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    dec.plan(flat.indptr, flat.indices, flat.last_page_len, kv_heads * 4, kv_heads, head_dim, page_size,
+             q_data_type=dtype)
+    expected = dec.run(q, cache)
+    plan = pc.plan_cascade(requests)
+    casc = cascade.MultiLevelCascadeAttentionWrapper(len(plan.qo_indptr_arr),
+                                                     torch.empty(16 << 20, dtype=torch.uint8, device=device))
+    casc.plan(plan.qo_indptr_arr, plan.paged_kv_indptr_arr, plan.paged_kv_indices_arr, plan.paged_kv_last_page_len_arr,
+              kv_heads * 4, kv_heads, head_dim, page_size, q_data_type=dtype)
+    order = torch.tensor(plan.order)
+    got = casc.run(q[order.to(device)], cache)
+    yield f"prefix cache: cascade ({len(plan.qo_indptr_arr)} levels) = decode", tuple(q.shape), _flat(got), \
+        _flat(expected[order.to(device)])
 
 
-def check(devices=None, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list:
-    """Rows of (op, device, backend, dtype, shape, max abs error, passed), one per case."""
+FAMILIES = {"norms": _norms, "activations": _activations, "rope": _rope, "merge": _merge, "decode": _decode,
+            "prefill": _prefill, "cascade": _cascade, "softmax": _softmax, "renorm": _renorm, "sampling": _sampling,
+            "speculative": _speculative, "optimizer": _optimizer, "prefix cache": _prefix_cache}
+
+
+def _row(family, op, device, backend, dtype, shape, actual, expected):
+    if isinstance(actual, Verdict):
+        error, passed = actual.metric, actual.passed
+    else:
+        actual, expected = actual.double().cpu(), expected.double().cpu()
+        tol = tolerance(dtype)
+        err = torch.where(actual == expected, 0.0, (actual - expected).abs())  # equal infinities match
+        error, passed = float(err.max()) if err.numel() else 0.0, bool((err <= tol["atol"] + tol["rtol"] *
+                                                                        expected.abs()).all())
+    return {"family": family, "op": op, "device": device, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
+            "shape": tuple(shape), "max_abs_err": error, "passed": passed}
+
+
+def check(devices=None, dtypes=DTYPES, families=None) -> list:
+    """Rows of (family, op, device, backend, dtype, shape, max abs error or the case's metric, passed), one per
+    case; an op that raises is a failed row (its error in "error"), never an aborted check."""
     if devices is None:
         devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    gen = torch.Generator().manual_seed(0)
     rows = []
     for device in devices:
         backend = _backend.backend_for(torch.device(device))
-        for dtype in dtypes:
-            cases = [*_cases(device, dtype, gen), *_rope_cases(device, dtype, gen), *_merge_cases(device, dtype, gen),
-                     *_paged_attention_cases(device, dtype, gen), *_renorm_cases(device, dtype, gen)]
-            for op, shape, actual, expected in cases:
-                actual = actual.double().cpu()
-                expected = expected.cpu()
-                tol = tolerance(dtype)
-                err = torch.where(actual == expected, 0.0, (actual - expected).abs())  # equal infinities match
-                passed = bool((err <= tol["atol"] + tol["rtol"] * expected.abs()).all())
-                rows.append(
-                    {
-                        "op": op,
-                        "device": device,
-                        "backend": backend,
-                        "dtype": str(dtype).replace("torch.", ""),
-                        "shape": tuple(shape),
-                        "max_abs_err": float(err.max()),
-                        "passed": passed,
-                    }
-                )
+        for name, family in FAMILIES.items():
+            if families is not None and name not in families:
+                continue
+            gen = torch.Generator().manual_seed(0)  # each family's inputs independent of the others
+            for dtype in dtypes:
+                try:
+                    for op, shape, actual, expected in family(device, dtype, gen):
+                        rows.append(_row(name, op, device, backend, dtype, shape, actual, expected))
+                except Exception as e:  # noqa: BLE001 (reported as a failure, with its message)
+                    rows.append({"family": name, "op": f"{name} (raised)", "device": device, "backend": backend,
+                                 "dtype": str(dtype).replace("torch.", ""), "shape": (), "max_abs_err": float("nan"),
+                                 "passed": False, "error": f"{type(e).__name__}: {e}"})
     return rows

@@ -16,7 +16,20 @@ OPS = (
     "apply_rope (all variants)",
     "merge_state, merge_states",
     "batch decode, cascade, single decode",
+    "prefill (ragged, paged, single)",
+    "sampling, renorm, softmax",
+    "speculative sampling, tree verification",
+    "optim.AdamW, clip_grad_norm_",
 )
+
+
+def _modules():
+    """The extension modules this build has: the kernels (or the CPU-only registration) and the emulate backends."""
+    import importlib.util
+
+    return {f"_C ({_backend.BUILT})": True,
+            **{f"_{name.replace('-', '_')}": importlib.util.find_spec(f"flashkern._{name.replace('-', '_')}") is not None
+               for name in _backend.EMULATED}}
 
 
 def _arch_warp_size(arch: str) -> int:
@@ -89,6 +102,7 @@ def info() -> dict:
         "torch_hip": torch.version.hip,
         "built_backend": _backend.BUILT,
         "built_archs": _backend.ARCHS,
+        "modules": _modules(),
         "warp_sizes": {arch: _arch_warp_size(arch) for arch in _backend.ARCHS},
         "forced_backend": _backend.get_backend(),
         "devices": devices,

@@ -17,11 +17,12 @@ Training works: every replacement is differentiable.
 
 import importlib
 import types
+import warnings
 
 import torch
 
 import flashkern
-from flashkern._validate import KERNEL_DTYPES
+from flashkern._validate import HEAD_DIMS, KERNEL_DTYPES
 
 FAMILIES = {
     # model_type: (modeling module, RMSNorm class, MLP class, norm weight offset)
@@ -125,13 +126,30 @@ def registered_attention():
     return ATTENTION_NAME
 
 
+def _attention_refusal(model):
+    """Why flashkern's attention cannot run this model, or None: the kernels take fp16 / bf16 with head_dim
+    64, 128 or 256 (the reference, float32 with any head_dim), and no dropout."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the model's dtype is {dtype}; flashkern's attention takes float16, bfloat16 or float32"
+    if dtype != torch.float32 and head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim}: the attention kernels take 64, 128 or 256"
+    if getattr(config, "attention_dropout", 0.0):
+        return f"attention_dropout {config.attention_dropout}: flashkern's attention has no dropout"
+    return None
+
+
 def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False):
     """Replace, in `model`, the RMSNorm modules, the gated MLPs' activation-and-multiply and the rotary
     application with flashkern ops, and with attention=True its attention implementation (the
     prompt through causal prefill, with the config's sliding window and soft cap; generation steps
     the same way). Returns what was replaced: {"rmsnorm": [module names], "swiglu": [module names],
-    "rope": ["module.function"], "attention": [the implementation it replaced]}.
-    Raises ValueError for a model family it does not know."""
+    "rope": ["module.function"], "attention": [the implementation it replaced], "skipped": {what: why}}.
+    What flashkern cannot run (an MLP activation it has no kernel for; attention at a head_dim or dtype
+    the kernels do not take, or with dropout) is checked first, left on its original path, named in
+    "skipped" and in a warning. Raises ValueError for a model family it does not know."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(
@@ -140,27 +158,32 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
     module_name, norm_cls, mlp_cls, offset = FAMILIES[model_type]
     modeling = importlib.import_module(module_name)
     norm_type, mlp_type = getattr(modeling, norm_cls), getattr(modeling, mlp_cls)
-    # Decide everything first, then patch: a refusal leaves the model untouched.
-    patches = []
+    # Decide everything first, then patch.
+    patches, skipped = [], {}
     for name, module in model.named_modules():
         if rmsnorm and isinstance(module, norm_type):
             patches.append(("rmsnorm", name, module, _rmsnorm_forward(offset, module.forward)))
         elif swiglu and isinstance(module, mlp_type):
             activation = ACTIVATIONS.get(type(module.act_fn).__name__)
             if activation is None:
-                raise ValueError(
-                    f"apply_flashkern: {name} uses activation {type(module.act_fn).__name__}, which flashkern has no "
-                    f"kernel for (it has {', '.join(sorted(set(ACTIVATIONS.values())))}); pass swiglu=False"
-                )
+                skipped[name] = (f"activation {type(module.act_fn).__name__}: flashkern has kernels for "
+                                 f"{', '.join(sorted(set(ACTIVATIONS.values())))}")
+                continue
             patches.append(("swiglu", name, module, _mlp_forward(activation)))
-    replaced = {"rmsnorm": [], "swiglu": [], "rope": [], "attention": []}
+    refusal = _attention_refusal(model) if attention else None
+    if refusal:
+        skipped["attention"] = refusal
+    replaced = {"rmsnorm": [], "swiglu": [], "rope": [], "attention": [], "skipped": skipped}
     for kind, name, module, forward in patches:
         module.forward = types.MethodType(forward, module)
         replaced[kind].append(name)
     if rope:
         modeling.apply_rotary_pos_emb = _apply_rotary_pos_emb
         replaced["rope"].append(f"{module_name}.apply_rotary_pos_emb")
-    if attention:
+    if attention and not refusal:
         replaced["attention"].append(model.config._attn_implementation)
         model.set_attn_implementation(registered_attention())
+    if skipped:
+        warnings.warn("apply_flashkern: left on their original path: " +
+                      "; ".join(f"{what} ({why})" for what, why in skipped.items()), stacklevel=2)
     return replaced

@@ -69,6 +69,7 @@ struct RowSpan {
 
   template <typename T>
   FK_DEVICE static RowSpan of(const T* row, int64_t vocab) {
+    static_assert(kVec == 1 || kVec * sizeof(T) == 16, "a vector is 16 bytes");
     const uintptr_t off = reinterpret_cast<uintptr_t>(row) % 16;
     const int64_t head = off && kVec > 1 ? int64_t((16 - off) / sizeof(T)) : 0;
     return {vocab, head < vocab ? head : vocab};

@@ -111,9 +111,9 @@ __global__ void FK_LAUNCH_BOUNDS(kThreads, 1) speculative_kernel(SpeculativePara
           const int n = row.load(v, x);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            if (e < n && (x[e] > best || (x[e] == best && v * kVec + e < best_index))) {
+            if (e < n && (x[e] > best || (x[e] == best && row.span.first(v) + e < best_index))) {
               best = x[e];
-              best_index = v * kVec + e;
+              best_index = row.span.first(v) + e;
             }
           }
         }
