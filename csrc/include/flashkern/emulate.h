@@ -33,6 +33,7 @@
 //                   fresh allocation of exactly its bytes for every block, so any access past it is
 //                   reported, as is any past a global buffer the caller allocated exactly.
 //   atomics         atomicAdd on 32- and 64-bit unsigned integers, atomics to ThreadSanitizer too
+//   address spaces  store16 (a global store, st.global on CUDA) to shared memory aborts, as it faults there
 // Shared memory starts 0xff-filled (NaN as fp16, bf16 and fp32) in every block. The matrix
 // instructions compute with the fragment layouts of the PTX and AMD documentation (platform.h), in
 // fp32. Not emulated: timing, the hardware memory model beyond the orders above (a fence-based
@@ -112,6 +113,7 @@ struct float4 {
   float x, y, z, w;
 };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 struct dim3 {
   unsigned x, y, z;
   dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
@@ -279,7 +281,8 @@ struct Block {
   Barrier barrier;  // __syncthreads
   std::vector<Barrier> warps;
   uint8_t* dynamic_shared = nullptr;
-  std::vector<uint8_t*> static_shared;  // FK_STATIC_SHARED allocations
+  size_t dynamic_shared_bytes = 0;
+  std::vector<std::pair<uint8_t*, size_t>> static_shared;  // FK_STATIC_SHARED allocations and their bytes
   uint64_t serial = 0;                  // tells the blocks apart (StaticShared)
   std::vector<unsigned> ready;          // threads that may run, the running one excluded
   unsigned finished = 0;
@@ -481,6 +484,7 @@ inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_sha
     for (unsigned w = 0; w < warps; ++w)
       this_block->warps[w].expected = std::min<unsigned>(device.warp_size, n - w * device.warp_size);
     this_block->dynamic_shared = shared_allocation(dynamic_shared_bytes);
+    this_block->dynamic_shared_bytes = dynamic_shared_bytes;
     this_block->serial = serial;
     this_block->rng = seed * 0x9e3779b97f4a7c15ull ^ (uint64_t(linear_block) << 32 | n);
     for (unsigned t = 0; t < n; ++t) this_block->ready.push_back(t);
@@ -522,7 +526,7 @@ inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_sha
     }
 #endif
     free_shared(this_block->dynamic_shared);
-    for (uint8_t* p : this_block->static_shared) free_shared(p);
+    for (const auto& [p, bytes] : this_block->static_shared) free_shared(p);
     delete this_block;
     this_block = nullptr;
   }
@@ -585,7 +589,7 @@ struct StaticShared {
     if (serial != this_block->serial) {
       serial = this_block->serial;
       data = shared_allocation(bytes);
-      this_block->static_shared.push_back(data);
+      this_block->static_shared.emplace_back(data, bytes);
     }
     return data;
   }
@@ -602,6 +606,19 @@ inline dim3 block_index() {
 inline uint8_t* dynamic_shared() {
   Untracked untracked;
   return this_block->dynamic_shared;
+}
+
+// Whether p is in this block's shared memory: a global-only instruction (store16's st.global) given such
+// an address faults on a GPU (an illegal address: it is not in the global window), while the host store
+// would quietly work.
+inline bool is_shared(const void* p) {
+  Untracked untracked;
+  const auto* b = static_cast<const uint8_t*>(p);
+  auto within = [&](const uint8_t* base, size_t bytes) { return b >= base && b < base + bytes; };
+  if (within(this_block->dynamic_shared, this_block->dynamic_shared_bytes)) return true;
+  for (const auto& [base, bytes] : this_block->static_shared)
+    if (within(base, bytes)) return true;
+  return false;
 }
 }  // namespace fk::emu
 

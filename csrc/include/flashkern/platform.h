@@ -277,6 +277,9 @@ FK_DEVICE void trap() {
 FK_DEVICE void store16(void* p, uint4 v) {
 #if defined(FK_CUDA)
   __stwb(static_cast<uint4*>(p), v);
+#elif defined(FK_EMU)
+  if (::fk::emu::is_shared(p)) ::fk::emu::fail("store16 (a global store: st.global on CUDA) to shared memory");
+  *static_cast<uint4*>(p) = v;
 #else
   *static_cast<uint4*>(p) = v;  // global_store_dwordx4
 #endif
