@@ -81,6 +81,9 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_speculative": [P, P, P, P, P, I, P, P, P, L, I, L, I, I, L],
         "emu_grad_norm": [P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, F, I, F, I],
         "emu_adamw": [P, P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, P, D, D, D, F, D, P, I, P, I],
+        "emu_kv_scores": [P, P, I64, P, P, I64, P, P, P, P, L, L, I, I, I, I, I, I, F, F, F, I, I, I],
+        "emu_kv_select": [P, P, P, P, P, P, I, I, I, I, I, I],
+        "emu_kv_compact": [P, P, I64, I64, P, P, P, P, P, P, P, I, I, I, I, I],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
     lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
@@ -856,6 +859,137 @@ def test_adamw_kernel(attention_lib, dtypes, master, clip):
         assert torch.equal(got, want)  # skipped: nothing written
 
 
+# ---------------------------------------------------------------- KV-cache compression
+
+
+def kv_case(lengths, kv_heads, head_dim, page_size, dtype, seed=0):
+    """A shuffled paged cache (NaN in unowned slots) as (k, v) views [pages, page_size, kv_heads, D], its page table."""
+    from paged_kv import paged, random_kv
+
+    cache, indptr, indices, last = paged(random_kv(lengths, kv_heads, head_dim, seed), page_size, "NHD", dtype,
+                                         seed=seed)
+    return cache[:, 0], cache[:, 1], indptr, indices, last
+
+
+def run_kv_scores(lib, scores, q, lse, k, qo_indptr, indptr, indices, last, causal=True, window_left=-1, cap=0.0,
+                  scale=1.0, accumulate=False):
+    lengths = [(int(indptr[b + 1] - indptr[b]) - 1) * k.shape[1] + int(last[b]) for b in range(len(last))]
+    ok(lib.emu_kv_scores(ptr(scores), ptr(q), i64s(*q.stride()[:2]), ptr(lse), ptr(k), i64s(*k.stride()[:3]),
+                         ptr(qo_indptr), ptr(indptr), ptr(indices), ptr(last), k.shape[0], max(lengths),
+                         len(lengths), q.shape[1], k.shape[2], q.shape[2], k.shape[1], window_left,
+                         ctypes.c_float(q.shape[2] ** -0.5), ctypes.c_float(cap), ctypes.c_float(scale), int(causal),
+                         int(accumulate), DTYPE[q.dtype]))
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,qo_lens", [(1, 64, 1, [1, 1, 1]), (4, 128, 16, [64, 9, 1]),
+                                                              (8, 256, 16, [33, 2, 70]), (3, 128, 5, [130, 1, 20])])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kv_scores_kernel(attention_lib, group, head_dim, page_size, qo_lens, dtype):
+    """Decode (one query), windows (several 8-row chunks), prefill-long rows (a query per position, row
+    skipping at the causal diagonal), key tiles with tails, against float64; accumulate on a second call."""
+    lengths, kv_heads = [150, 64, 70], 2
+    k, v, indptr, indices, last = kv_case(lengths, kv_heads, head_dim, page_size, dtype)
+    q = rand((sum(qo_lens), kv_heads * group, head_dim), dtype, "cpu", seed=7)
+    qo_indptr = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lse = torch.empty(q.shape[:2])
+    for b in range(len(lengths)):
+        kk = k[indices[indptr[b] : indptr[b + 1]].long()].flatten(0, 1)[: lengths[b]]
+        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        logits = torch.einsum("nhd,lhd->nhl", q[rows].double(), kk.double().repeat_interleave(group, 1)) / head_dim**0.5
+        n = rows.stop - rows.start
+        logits = logits.masked_fill((torch.arange(lengths[b])[None, :] > torch.arange(n)[:, None] + lengths[b] - n)[:, None], float("-inf"))
+        lse[rows] = torch.logsumexp(logits, -1).float()
+    scores = torch.full((k.shape[0], kv_heads, page_size), float("nan"))
+    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, scale=0.5)
+    expected = torch.full_like(scores, float("nan"), dtype=torch.float64)
+    ref.kv_compress.kv_scores(q.double(), lse.double(), k.double(), qo_indptr, indptr, indices, last, expected,
+                              head_dim**-0.5, 0.5, True, -1, 0.0, False)
+    owned = ~expected.isnan()
+    assert torch.equal(scores.isnan(), ~owned)  # every owned slot written, no other
+    torch.testing.assert_close(scores[owned].double(), expected[owned], atol=1e-6, rtol=1e-5)
+    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, scale=0.5, accumulate=True)
+    ref.kv_compress.kv_scores(q.double(), lse.double(), k.double(), qo_indptr, indptr, indices, last, expected,
+                              head_dim**-0.5, 0.5, True, -1, 0.0, True)
+    torch.testing.assert_close(scores[owned].double(), expected[owned], atol=1e-6, rtol=1e-5)
+
+
+def test_kv_scores_kernel_window_and_soft_cap(attention_lib):
+    lengths, kv_heads, group, head_dim = [90, 200], 1, 2, 64
+    k, v, indptr, indices, last = kv_case(lengths, kv_heads, head_dim, 16, torch.float16, seed=3)
+    q = rand((40, 2, head_dim), torch.float16, "cpu", seed=4)
+    qo_indptr = torch.tensor([0, 7, 40], dtype=torch.int32)
+    lse = rand((40, 2), torch.float32, "cpu", seed=5).abs() + 3  # any lse: the kernel trusts it
+    lse[3] = float("-inf")  # a query that saw no key
+    scores = torch.full((k.shape[0], kv_heads, 16), float("nan"))
+    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, window_left=11, cap=3.0)
+    expected = torch.full_like(scores, float("nan"), dtype=torch.float64)
+    ref.kv_compress.kv_scores(q.double(), lse.double(), k.double(), qo_indptr, indptr, indices, last, expected,
+                              head_dim**-0.5, 1.0, True, 11, 3.0, False)
+    owned = ~expected.isnan()
+    torch.testing.assert_close(scores[owned].double(), expected[owned], atol=1e-6, rtol=1e-5)
+
+
+def quantized(shape, seed):
+    """Multiples of 1/64: exact pooled sums, frequent ties."""
+    return torch.randint(-64, 65, shape, generator=torch.Generator().manual_seed(seed)).float() / 64
+
+
+@pytest.mark.parametrize("pool,window,keep_first", [(1, 0, 0), (5, 8, 2), (7, 40, 0)])
+def test_kv_select_kernel(attention_lib, pool, window, keep_first):
+    """Exact positions: the radix passes over ties, NaN, +-inf, the forced sinks and window, budgets of 1, of
+    all but one key and of more than the keys (every key, then -1), a request without keys."""
+    lengths, page_size, kv_heads = [700, 37, 5, 0, 300], 16, 3
+    pages = sum(-(-n // page_size) for n in lengths) + 2
+    perm = torch.randperm(pages, generator=torch.Generator().manual_seed(2)).tolist()
+    indptr, indices, last = [0], [], []
+    for n in lengths:
+        c = -(-n // page_size)
+        indices += [perm.pop() for _ in range(c)]
+        indptr.append(len(indices))
+        last.append(n - (c - 1) * page_size if c else 0)
+    indptr, indices, last = (torch.tensor(x, dtype=torch.int32) for x in (indptr, indices, last))
+    scores = quantized((pages, kv_heads, page_size), 3)
+    scores[indices[0], 0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    budgets = [100, 36, 9, 2, 1]
+    kept_indptr = torch.tensor([0] + torch.tensor(budgets).cumsum(0).tolist(), dtype=torch.int32)
+    kept = torch.full((sum(budgets), kv_heads), -7, dtype=torch.int32)
+    ok(attention_lib.emu_kv_select(ptr(kept), ptr(kept_indptr), ptr(scores), ptr(indptr), ptr(indices), ptr(last), len(lengths),
+                         kv_heads, page_size, window, keep_first, pool))
+    expected = ref.kv_compress.kv_select(scores, indptr, indices, last, kept_indptr, sum(budgets), window, keep_first,
+                                         pool)
+    assert torch.equal(kept, expected)
+
+
+@pytest.mark.parametrize("head_dim,page_size", [(64, 1), (128, 16), (256, 3)])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_kv_compact_kernel(attention_lib, head_dim, page_size, fresh):
+    """Bitwise against the reference: in place (sources in the chunk being written) and to fresh pages, with
+    scores, several chunks a request (kept 300 > the 32-128 positions of a chunk)."""
+    lengths, kv_heads = [400, 50], 2
+    k, v, indptr, indices, last = kv_case(lengths, kv_heads, head_dim, page_size, torch.bfloat16, seed=6)
+    scores = quantized((k.shape[0], kv_heads, page_size), 4)
+    budgets = [300, 50]
+    kept_indptr = torch.tensor([0, 300, 350], dtype=torch.int32)
+    kept = ref.kv_compress.kv_select(scores, indptr, indices, last, kept_indptr, 350, 4, 1, 1)
+    need = [-(-b // page_size) for b in budgets]
+    if fresh:
+        extra = torch.full((sum(need), page_size, kv_heads, head_dim), float("nan"), dtype=k.dtype)
+        cache = torch.cat([torch.stack([k, v], 1), torch.stack([extra, extra], 1)])
+        k, v = cache[:, 0], cache[:, 1]
+        scores = torch.cat([scores, torch.full((sum(need), kv_heads, page_size), float("nan"))])
+        out_indices = torch.arange(k.shape[0] - sum(need), k.shape[0], dtype=torch.int32)
+    else:
+        out_indices = torch.cat([indices[indptr[b] : indptr[b] + need[b]] for b in range(2)])
+    out_indptr = torch.tensor([0, need[0], sum(need)], dtype=torch.int32)
+    ek, ev, es = k.clone(), v.clone(), scores.clone()
+    ref.kv_compress.kv_compact(ek, ev, es, indptr, indices, kept, kept_indptr, out_indptr, out_indices)
+    ok(attention_lib.emu_kv_compact(ptr(k), ptr(v), i64s(*k.stride()[:3]), i64s(*v.stride()[:3]), ptr(scores),
+                                    ptr(indptr), ptr(indices), ptr(kept), ptr(kept_indptr), ptr(out_indptr),
+                                    ptr(out_indices), 2, kv_heads, head_dim, page_size, DTYPE[k.dtype]))
+    assert torch.equal(k.view(torch.int16), ek.view(torch.int16)) and torch.equal(v.view(torch.int16), ev.view(torch.int16))
+    assert torch.equal(scores.nan_to_num(-9), es.nan_to_num(-9))
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -894,3 +1028,6 @@ def test_every_kernel_and_path(attention_lib):
     test_softmax_kernel(lib, torch.float32, 1030, 1031, 1)  # one chunk, scalar heads, the scalar write
     test_grad_norm_kernel(lib, 2.0, True)
     test_adamw_kernel(lib, MIXED, True, "global")
+    test_kv_scores_kernel(lib, 4, 128, 16, [64, 9, 1], torch.float16)
+    test_kv_select_kernel(lib, 5, 8, 2)
+    test_kv_compact_kernel(lib, 128, 16, False)  # in place

@@ -122,6 +122,26 @@ MUTANTS = {
         "  if (lane == 0) {",
         "thread", "test_softmax_kernel and cuda and bfloat16-4099", r"ThreadSanitizer: data race",
     ),
+    # KV compaction in place: without the barrier a thread overwrites a kept position that another
+    # thread of the same chunk has yet to read
+    "kv_compact_overwrites_before_read": (
+        "include/flashkern/kernels/kv_compress.cuh",
+        "    __syncthreads();  // every source of the chunk is read before any destination of it is written\n", "",
+        "thread", "test_kv_compact_kernel and cuda and 128-16 and False", r"ThreadSanitizer: data race",
+    ),
+    # KV scores that forget the final lse (exp(logit) instead of exp(logit - lse)): wrong probabilities
+    "kv_scores_without_lse": (
+        "include/flashkern/kernels/kv_compress.cuh",
+        "sum += expf(logit - lse);", "sum += expf(logit);",
+        None, "test_kv_scores_kernel and cuda and float16-4-128", r"Mismatched elements|AssertionError",
+    ),
+    # a K tile staged through store16, a global store (st.global on CUDA): a GPU faults on the shared address
+    "global_store_to_shared_memory": (
+        "include/flashkern/kernels/kv_compress.cuh",
+        "    k_tile[key * kPitch + c] = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);",
+        "    store16(&k_tile[key * kPitch + c], make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]));",
+        None, "test_kv_scores_kernel and cuda and float16-4-128", r"store16 \(a global store",
+    ),
     "no_shared_memory_opt_in": (
         "include/flashkern/kernels/batch_attention.cuh",
         "const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);", "const gpuError_t e = gpuSuccess;",
@@ -152,7 +172,9 @@ def test_mutant_is_caught(mutant):
     sanitizer, expected = MUTANTS[mutant][3], MUTANTS[mutant][5]
     code, log = start()[("mutant", mutant)].result()
     assert code is not None, log
-    assert code != 0 and re.search(r"\d+ (passed|failed)|Sanitizer", log), f"{mutant} was not caught:\n{log[-4000:]}"
+    # a failed test, a sanitizer's report or the emulator's own abort (a fault on a GPU)
+    caught = r"\d+ (passed|failed)|Sanitizer|flashkern emulation: "
+    assert code != 0 and re.search(caught, log), f"{mutant} was not caught:\n{log[-4000:]}"
     if sanitizer:
         assert code == EXIT_CODE[sanitizer], log[-4000:]
     assert re.search(expected, log), f"{mutant}: no {expected!r} in\n{log[-4000:]}"

@@ -24,12 +24,12 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc" if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 HIPCC = shutil.which("hipcc")
 ROW_SOURCES = ["rmsnorm", "act_and_mul", "rope", "merge_states"]  # one template argument is the vector width
-SOURCES = ROW_SOURCES + ["batch_attention", "sampling", "optim"]
+SOURCES = ROW_SOURCES + ["batch_attention", "sampling", "optim", "kv_compress"]
 FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel", "act_and_mul_kernel",
             "act_and_mul_backward_kernel", "rope_kernel", "merge_states_kernel", "decode_attention_kernel",
             "multi_query_attention_kernel", "merge_partials_kernel", "sampling_kernel", "renorm_kernel",
             "speculative_kernel", "grad_norm_chunks_kernel", "grad_norm_finish_kernel", "adamw_kernel",
-            "adamw_steps_kernel"]
+            "adamw_steps_kernel", "kv_scores_kernel", "kv_select_kernel", "kv_compact_kernel"]
 # ptxas reports for these (the no-spill check); Blackwell's ptxas allocates differently and spilled
 # kernels that fit sm_80 and sm_90. The PTX checks read sm_80 and sm_90 only.
 SASS_ARCHS = ["80-real", "90", "100-real", "120-real"]
@@ -187,6 +187,22 @@ def test_cuda_optim_ptx(cuda_build, arch):
             assert re.search(r"ld\.global(\.nc)?\.v4\.(u32|b32|f32)", body), f"{family}: no 16-byte global load"
             if family == "adamw_kernel":
                 assert re.search(r"st\.global(\.wb)?\.v4\.(u32|b32|f32)", body), f"{family}: no 16-byte global store"
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_cuda_kv_compress_ptx(cuda_build, arch):
+    """KV compression moves K and V 16 bytes at a time: the score kernel's K tile loads, the compaction's
+    loads and stores of K and V."""
+    build, _ = cuda_build
+    entries, names = ptx_of(build, "kv_compress", arch)
+    bodies = {names[m]: b for m, b in entries.items()}
+    for family, patterns in (("kv_scores_kernel", [r"ld\.global(\.nc)?\.v4\.u32"]),
+                             ("kv_compact_kernel", [r"ld\.global(\.nc)?\.v4\.u32", r"st\.global(\.wb)?\.v4\.u32"])):
+        found = {n: b for n, b in bodies.items() if is_family(family, n)}
+        assert len(found) == 6, f"{family}: {sorted(found)}"  # two dtypes, three head dims
+        for name, body in found.items():
+            for pattern in patterns:
+                assert re.search(pattern, body), f"{name}: no {pattern}"
 
 
 ATTENTION_PTX = {  # what each attention kernel must contain: 16-byte copies and loads, the matrix instructions

@@ -6,10 +6,12 @@
 // Built with FLASHKERN_EMULATED_OPS=<namespace> and linked with the launchers compiled for the CPU
 // emulation (CMakeLists.txt: FLASHKERN_EMULATE), the same code serves CPU tensors as the ops of that
 // namespace, which the emulate backends call (python/flashkern/_backend.py).
-// Each op family's glue is its own file in glue/ (norm, activation, rope, attention, sampling, optim); this file
-// registers them all, for the GPU key or, in the emulated builds, as their own op namespace.
+// Each op family's glue is its own file in glue/ (norm, activation, rope, attention, sampling, optim,
+// kv_compress); this file registers them all, for the GPU key or, in the emulated builds, as their own
+// op namespace.
 #include "glue/activation.h"
 #include "glue/attention.h"
+#include "glue/kv_compress.h"
 #include "glue/norm.h"
 #include "glue/optim.h"
 #include "glue/rope.h"
@@ -24,6 +26,7 @@ void register_impls(torch::Library& m) {
   register_attention(m);
   register_sampling(m);
   register_optim(m);
+  register_kv_compress(m);
 }
 
 }  // namespace

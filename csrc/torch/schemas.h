@@ -69,6 +69,22 @@ inline void define_schemas(torch::Library& m) {
       "speculative(Tensor target, Tensor? draft, Tensor candidates, int first_candidate, Tensor? parents, str mode, "
       "Tensor? seed_arr, int seed, Tensor? offset_arr, int offset) "
       "-> (Tensor tokens, Tensor nodes, Tensor num_accepted, Tensor independent_accepted)");
+  // KV-cache compression (ops.h: KvScoresParams, KvSelectParams, KvCompactParams). Caches are views
+  // [pages, page_size, kv_heads, head_dim]; scores float32 [pages, kv_heads, page_size]; page tables
+  // int32 CSR (kv_indptr, kv_indices, kv_last_page_len). kv_scores adds (accumulate) or writes the
+  // attention probabilities of q's queries (per request the last tokens, qo_indptr) from their lse;
+  // kv_select returns kept positions [num_kept, kv_heads], num_kept = kept_indptr[-1]; kv_compact moves
+  // the kept keys, values and scores to positions 0.. of the pages out_indices[out_indptr[b]..].
+  m.def(
+      "kv_scores(Tensor q, Tensor lse, Tensor k_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kv_last_page_len, Tensor(a!) scores, int max_kv_len, float sm_scale, float scale, bool causal, "
+      "int window_left, float logits_soft_cap, bool accumulate) -> ()");
+  m.def(
+      "kv_select(Tensor scores, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, Tensor kept_indptr, "
+      "int num_kept, int window, int keep_first, int kernel_size) -> Tensor");
+  m.def(
+      "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? scores, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kept, Tensor kept_indptr, Tensor out_indptr, Tensor out_indices) -> ()");
   // The gradient norm of many tensors at once (kernels/optim.cuh): the p-norm over all their elements
   // (norm_type 1, 2, any p > 0 or inf), each tensor's norm, with a max_norm the clip coefficients
   // min(1, max_norm / (norm + 1e-6)) of the total ([1]) or of each tensor (per_tensor; else [0]), and

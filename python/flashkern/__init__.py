@@ -38,6 +38,7 @@ from .rope_scaling import cos_sin_cache, rope_frequencies, rope_frequencies_from
 from . import spec  # noqa: E402  (flashkern.spec: tree masks, positions and verification)
 from . import optim  # noqa: E402  (flashkern.optim: AdamW, clip_grad_norm_)
 from .optim import clip_grad_norm_
+from . import kv_compress  # noqa: E402  (flashkern.kv_compress: SnapKV, H2O, StreamingLLM)
 from .sampling import (
     chain_speculative_sampling,
     min_p_sampling_from_probs,

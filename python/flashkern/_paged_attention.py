@@ -339,7 +339,11 @@ class PagedAttention:
             "batch": batch, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "page_size": page_size, "dtype": q_dtype, "o_dtype": o_dtype or q_dtype, "sm_scale": sm_scale,
             "grid": grid, "max_page": max_page, "logits_soft_cap": logits_soft_cap, "custom_mask": custom_mask,
-            "window_left": window_left,
+            "window_left": window_left, "causal": causal,
+            # one paged level, no custom mask: what kv_scores (H2O's running scores) can follow; the host
+            # page table, and its device copies once a run asks for them
+            "score_tables": (levels[0], device_indices[0]) if len(levels) == 1 and not identity and custom_mask is None
+            else None,
             "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk, "words": words,
         }
 
@@ -350,10 +354,11 @@ class PagedAttention:
             raise ValueError(f"{op}: window_left={window_left!r} differs from the plan's {planned}; plan again with it")
 
     def _run(self, op, q, paged_kv_cache, out, lse, sinks=None, q_scale=None, k_scale=None, v_scale=None,
-             sm_scale=None, pdl=False, logits_soft_cap=None, kv_layout=None):
+             sm_scale=None, pdl=False, logits_soft_cap=None, kv_layout=None, kv_scores=None):
         """The planned attention of q (and FlashInfer's run() options: sinks [num_qo_heads], one sink
         logit per head; q_scale and k_scale multiply sm_scale, v_scale the output; sm_scale and
-        logits_soft_cap, if given, replace the plan's) into out / lse."""
+        logits_soft_cap, if given, replace the plan's) into out / lse; kv_scores: H2O's running scores
+        (flashkern.kv_compress), to which each query's attention probabilities are added."""
         info = self._plan_info
         if info is None:
             raise RuntimeError(f"{op}: call plan() before run()")
@@ -397,7 +402,44 @@ class PagedAttention:
             _batch_attention_cpu(*args)
         else:
             _ops.batch_attention(*args)
+        if kv_scores is not None:
+            self._add_scores(op, q, k, lse, kv_scores, sm_scale, cap)
         return out, lse
+
+    def _add_scores(self, op, q, k_cache, lse, scores, sm_scale, cap):
+        """kv_scores after the attention run: the probabilities exp(logit - lse) of every query, summed over
+        the GQA group, added into scores [num_pages, num_kv_heads, page_size] (the step's own keys start
+        from 0). A second read of K (kernels/kv_compress.cuh)."""
+        info = self._plan_info
+        if info["score_tables"] is None:
+            raise ValueError(f"{op}: kv_scores needs a paged plan of one level without a custom mask")
+        if self._use_cuda_graph:
+            raise ValueError(f"{op}: kv_scores is not supported with use_cuda_graph=True (the score kernel's grid "
+                             f"follows the longest request)")
+        if not isinstance(scores, torch.Tensor):
+            raise TypeError(f"{op}: kv_scores must be a torch.Tensor, got {type(scores).__name__}")
+        tables = info.get("score_device")
+        if tables is None:
+            (qo, kv_indptr, indices, last), device_indices = info["score_tables"]
+            batch = kv_indptr.shape[0] - 1
+            used = indices[: int(kv_indptr[-1])] if batch else indices[:0]
+            if used.numel() != used.unique().numel():
+                raise ValueError(f"{op}: kv_scores needs each page in one request's table once (the scores are per "
+                                 f"page); this plan's page tables repeat a page")
+            pages = kv_indptr[1:] - kv_indptr[:-1]
+            kv_len = torch.where(pages > 0, (pages - 1) * info["page_size"] + last, 0)
+            qo = torch.arange(batch + 1, dtype=torch.int32) * (info["batch"] // max(batch, 1)) if qo is None else qo
+            device = self._device
+            tables = info["score_device"] = (qo.to(device), kv_indptr.to(device), device_indices, last.to(device),
+                                             int(kv_len.max()) if batch else 0)
+        qo, kv_indptr, indices, last, max_kv_len = tables
+        args = (q, lse, k_cache, qo, kv_indptr, indices, last, scores, max_kv_len, sm_scale, 1.0, info["causal"],
+                info["window_left"], cap, True)
+        if _backend.use_reference(q.device):
+            from .kv_compress import _kv_scores_cpu
+            _kv_scores_cpu(*args)
+        else:
+            _ops.kv_scores(*args)
 
 
 def scale_factor(op, name, value):

@@ -521,3 +521,130 @@ def check_adamw(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor,
     if found_inf is not None:
         _check_scalar(op, "found_inf", found_inf, ref)
     _check_table(op, table, table_host, ref, n)
+
+
+# ---- KV-cache compression (csrc/torch/glue/kv_compress.h) ----
+
+MAX_SCORE_BATCH = 65535  # kv_scores: a request a grid row
+
+
+def check_index(op, name, t, ref, length=None):
+    """An int32 CSR array or index list: contiguous 1-D on ref's device, `length` entries when given."""
+    check_tensor(op, name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{op}: {name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous() or t.device != ref.device:
+        raise ValueError(f"{op}: {name} must be a contiguous 1-D tensor on {ref.device}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{op}: {name} must have {length} entries, got {t.shape[0]}")
+
+
+def check_cache_view(op, name, t, addresses=True, reference=False):
+    """A paged cache view [pages, page_size, kv_heads, head_dim], read 16 bytes at a time (the reference:
+    float32 and float64 too)."""
+    check_tensor(op, name, t)
+    if t.dtype not in ATTENTION_DTYPES + ((torch.float32, torch.float64) if reference else ()):
+        raise TypeError(f"{op}: {name} must be float16 or bfloat16, got {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(f"{op}: {name} must be 4-D [pages, page_size, num_kv_heads, head_dim], got shape "
+                         f"{tuple(t.shape)}")
+    check_head_dim(op, t.shape[3])
+    check_last_dim_contiguous(op, name, t)
+    if addresses and (t.data_ptr() % 16 or any(t.shape[d] > 1 and t.stride(d) % 8 for d in range(3))):
+        raise ValueError(f"{op}: {name} must start on a 16-byte boundary and have strides that are multiples of 8 "
+                         f"elements, got strides {t.stride()}")
+    if not (0 < t.shape[1] < 2**31 and 0 < t.shape[2] <= 65535):
+        raise ValueError(f"{op}: {name} must have a page_size in [1, 2^31) and 1 to 65535 KV heads, got shape "
+                         f"{tuple(t.shape)}")
+
+
+def check_scores(op, scores, cache):
+    shape = (cache.shape[0], cache.shape[2], cache.shape[1])
+    check_tensor(op, "scores", scores)
+    if scores.dtype != torch.float32 or tuple(scores.shape) != shape or not scores.is_contiguous() or \
+            scores.device != cache.device:
+        raise ValueError(f"{op}: scores must be a contiguous float32 tensor of shape {shape} ([num_pages, "
+                         f"num_kv_heads, page_size]) on {cache.device}, got {scores.dtype} {tuple(scores.shape)}")
+
+
+def check_page_table(op, kv_indptr, kv_indices, kv_last_page_len, ref):
+    check_index(op, "kv_indptr", kv_indptr, ref)
+    batch = kv_indptr.shape[0] - 1
+    if not 0 <= batch <= MAX_SCORE_BATCH:
+        raise ValueError(f"{op}: kv_indptr must have batch_size + 1 entries, batch_size <= {MAX_SCORE_BATCH}")
+    check_index(op, "kv_indices", kv_indices, ref)
+    check_index(op, "kv_last_page_len", kv_last_page_len, ref, batch)
+    return batch
+
+
+def check_kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, max_kv_len, sm_scale,
+                    scale, window_left, logits_soft_cap, addresses=True, reference=False):
+    op = "kv_scores"
+    check_cache_view(op, "k_cache", k_cache, addresses, reference)
+    check_tensor(op, "q", q)
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"{op}: q must be 3-D [tokens, num_qo_heads, head_dim] with k_cache's head_dim, got shape "
+                         f"{tuple(q.shape)}")
+    check_same(op, "q", q, "k_cache", k_cache, same_shape=False)
+    check_last_dim_contiguous(op, "q", q)
+    if addresses and (q.data_ptr() % 16 or any(q.shape[d] > 1 and q.stride(d) % 8 for d in range(2))):
+        raise ValueError(f"{op}: q must start on a 16-byte boundary and have strides that are multiples of 8")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{op}: num_qo_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
+    check_tensor(op, "lse", lse)
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]) or not lse.is_contiguous() or \
+            lse.device != q.device:
+        raise ValueError(f"{op}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:2])}")
+    batch = check_page_table(op, kv_indptr, kv_indices, kv_last_page_len, q)
+    check_index(op, "qo_indptr", qo_indptr, q, batch + 1)
+    check_scores(op, scores, k_cache)
+    if not 0 <= max_kv_len <= 2**30:
+        raise ValueError(f"{op}: max_kv_len must be in [0, 2^30], got {max_kv_len}")
+    if not -1 <= window_left < 2**30:
+        raise ValueError(f"{op}: window_left must be -1 (none) or in [0, 2^30), got {window_left}")
+    if not (math.isfinite(sm_scale) and math.isfinite(scale)):
+        raise ValueError(f"{op}: sm_scale and scale must be finite")
+    if not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
+        raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
+
+
+def check_kv_select(scores, kv_indptr, kv_indices, kv_last_page_len, kept_indptr, num_kept, window, keep_first,
+                    kernel_size):
+    op = "kv_select"
+    check_tensor(op, "scores", scores)
+    if scores.dtype != torch.float32 or scores.dim() != 3 or not scores.is_contiguous() or \
+            not 0 < scores.shape[1] <= 65535 or scores.shape[2] == 0:
+        raise ValueError(f"{op}: scores must be a contiguous float32 tensor [num_pages, num_kv_heads, page_size], "
+                         f"got {scores.dtype} {tuple(scores.shape)}")
+    batch = check_page_table(op, kv_indptr, kv_indices, kv_last_page_len, scores)
+    check_index(op, "kept_indptr", kept_indptr, scores, batch + 1)
+    if not 0 <= num_kept < 2**31:
+        raise ValueError(f"{op}: num_kept must be in [0, 2^31), got {num_kept}")
+    if not (0 <= window < 2**30 and 0 <= keep_first < 2**30):
+        raise ValueError(f"{op}: window and keep_first must be in [0, 2^30), got {window} and {keep_first}")
+    if not (1 <= kernel_size <= 63 and kernel_size % 2 == 1):  # each key's pooled score is re-read per pass
+        raise ValueError(f"{op}: kernel_size must be an odd int in [1, 63], got {kernel_size}")
+
+
+def check_kv_compact(k_cache, v_cache, scores, kv_indptr, kv_indices, kept, kept_indptr, out_indptr, out_indices,
+                     addresses=True, reference=False):
+    op = "kv_compact"
+    check_cache_view(op, "k_cache", k_cache, addresses, reference)
+    check_same(op, "v_cache", v_cache, "k_cache", k_cache)
+    check_cache_view(op, "v_cache", v_cache, addresses, reference)
+    if scores is not None:
+        check_scores(op, scores, k_cache)
+    check_index(op, "kv_indptr", kv_indptr, k_cache)
+    batch = kv_indptr.shape[0] - 1
+    if batch < 0:
+        raise ValueError(f"{op}: kv_indptr must have batch_size + 1 entries")
+    check_index(op, "kv_indices", kv_indices, k_cache)
+    check_index(op, "kept_indptr", kept_indptr, k_cache, batch + 1)
+    check_index(op, "out_indptr", out_indptr, k_cache, batch + 1)
+    check_index(op, "out_indices", out_indices, k_cache)
+    check_tensor(op, "kept", kept)
+    if kept.dtype != torch.int32:
+        raise TypeError(f"{op}: kept must be int32, got {kept.dtype}")
+    if kept.dim() != 2 or kept.shape[1] != k_cache.shape[2] or not kept.is_contiguous() or kept.device != k_cache.device:
+        raise ValueError(f"{op}: kept must be a contiguous int32 tensor [num_kept, num_kv_heads] on {k_cache.device}, "
+                         f"got shape {tuple(kept.shape)}")

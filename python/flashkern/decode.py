@@ -184,7 +184,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
-            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
+            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None, kv_scores=None):
         """Decode: q ``[batch * q_len_per_req, num_qo_heads, head_dim]`` -> out of that shape (the
         plan's o_data_type), and with ``return_lse`` also lse ``[batch * q_len_per_req,
         num_qo_heads]`` float32, the natural-log sum-exp of the scaled logits. ``out`` / ``lse`` may be
@@ -197,7 +197,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         - ``q_len_per_req`` and ``window_left``: None or the planned values.
         - ``enable_pdl=True``: the kernels as programmatic dependent launches where the GPU has them
           (CUDA sm_90+); None is off. ``skip_softmax_threshold_scale_factor`` and ``kv_cache_sf`` are
-          not supported (ValueError)."""
+          not supported (ValueError).
+        - ``kv_scores`` (flashkern's): H2O's running scores, float32 ``[num_pages, num_kv_heads,
+          page_size]``; each query's attention probabilities, summed over its GQA group, are added
+          into them (the step's own keys start from 0): ``flashkern.kv_compress``."""
         op = "BatchDecodeWithPagedKVCacheWrapper.run"
         if args:
             raise ValueError(f"{op}: extra positional arguments (custom-kernel arguments in FlashInfer) are not "
@@ -211,7 +214,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"{op}: q_len_per_req={q_len_per_req!r} differs from the plan's {planned}; "
                              "plan again with it")
         self._check_q_rows(op, q)
-        out, lse = self._core._run(op, q, paged_kv_cache, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl)
+        out, lse = self._core._run(op, q, paged_kv_cache, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl,
+                                   kv_scores=kv_scores)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)

@@ -171,13 +171,14 @@ class _Prefill:
                 fill_buffer(op, name, self._buffers[name], values)
 
     def _run_prefill(self, op, q, kv, kv_layout, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
-                     window_left, sinks):
+                     window_left, sinks, kv_scores=None):
         if args:
             raise ValueError(f"{op}: extra positional arguments (custom-kernel arguments in FlashInfer) are not "
                              f"supported by flashkern, got {len(args)}")
         pdl = check_enable_pdl(op, enable_pdl)
         self._core.check_window(op, window_left)
-        out, lse = self._core._run(op, q, kv, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl, kv_layout=kv_layout)
+        out, lse = self._core._run(op, q, kv, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl, kv_layout=kv_layout,
+                                   kv_scores=kv_scores)
         return (out, lse) if return_lse else out
 
     def _forward(self, op, q, kv, kv_layout, causal, pos_encoding_mode, k_scale, v_scale, window_left,
@@ -276,16 +277,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
-            skip_softmax_threshold_scale_factor=None):
+            skip_softmax_threshold_scale_factor=None, kv_scores=None):
         """q ``[qo_indptr[-1], num_qo_heads, head_dim]`` -> out (the plan's o_data_type), and with
         ``return_lse`` lse ``[qo_indptr[-1], num_qo_heads]`` float32 (natural log). ``sinks``,
-        scales and ``enable_pdl`` as in BatchDecodeWithPagedKVCacheWrapper.run; ``window_left``: None
-        or the plan's; ``kv_cache_sf`` and ``skip_softmax_threshold_scale_factor`` must be None."""
+        scales, ``enable_pdl`` and ``kv_scores`` (H2O's running scores, flashkern.kv_compress) as in
+        BatchDecodeWithPagedKVCacheWrapper.run; ``window_left``: None or the plan's; ``kv_cache_sf`` and
+        ``skip_softmax_threshold_scale_factor`` must be None."""
         op = "BatchPrefillWithPagedKVCacheWrapper.run"
         reject_unsupported(op, kv_cache_sf=kv_cache_sf,
                            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
         return self._run_prefill(op, q, paged_kv_cache, None, args, q_scale, k_scale, v_scale, out, lse, return_lse,
-                                 enable_pdl, window_left, sinks)
+                                 enable_pdl, window_left, sinks, kv_scores)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

@@ -228,6 +228,49 @@ const char* emu_speculative(int32_t* tokens, int32_t* path, int32_t* accepted, i
   return fk::launch_speculative(p, nullptr);
 }
 
+// KV-cache compression (ops.h: KvScoresParams, KvSelectParams, KvCompactParams); caches are views
+// [pages, page_size, kv_heads, head_dim] with (page, slot, head) strides, scores [pages, kv_heads, page_size].
+const char* emu_kv_scores(float* scores, const void* q, const int64_t* q_strides, const float* lse, const void* k,
+                          const int64_t* k_strides, const int32_t* qo_indptr, const int32_t* kv_indptr,
+                          const int32_t* kv_indices, const int32_t* last, int64_t num_pages, int64_t max_kv_len,
+                          int batch, int qo_heads, int kv_heads, int head_dim, int page_size, int window_left,
+                          float sm_scale, float cap, float scale, int causal, int accumulate, int dtype) {
+  fk::KvScoresParams p{};
+  p.scores = scores, p.q = q, p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1], p.lse = lse;
+  p.k_cache = k;
+  for (int d = 0; d < 3; ++d) p.k_strides[d] = k_strides[d];
+  p.qo_indptr = qo_indptr, p.kv_indptr = kv_indptr, p.kv_indices = kv_indices, p.kv_last_page_len = last;
+  p.num_pages = num_pages, p.max_kv_len = max_kv_len, p.batch = batch, p.qo_heads = qo_heads, p.kv_heads = kv_heads;
+  p.head_dim = head_dim, p.page_size = page_size, p.window_left = window_left;
+  p.sm_scale = sm_scale, p.logits_soft_cap = cap, p.scale = scale, p.causal = causal, p.accumulate = accumulate;
+  p.dtype = DType(dtype);
+  return fk::launch_kv_scores(p, nullptr);
+}
+
+const char* emu_kv_select(int32_t* kept, const int32_t* kept_indptr, const float* scores, const int32_t* kv_indptr,
+                          const int32_t* kv_indices, const int32_t* last, int batch, int kv_heads, int page_size,
+                          int window, int keep_first, int pool) {
+  fk::KvSelectParams p{};
+  p.kept = kept, p.kept_indptr = kept_indptr, p.scores = scores;
+  p.kv_indptr = kv_indptr, p.kv_indices = kv_indices, p.kv_last_page_len = last;
+  p.batch = batch, p.kv_heads = kv_heads, p.page_size = page_size;
+  p.window = window, p.keep_first = keep_first, p.pool = pool;
+  return fk::launch_kv_select(p, nullptr);
+}
+
+const char* emu_kv_compact(void* k, void* v, const int64_t* k_strides, const int64_t* v_strides, float* scores,
+                           const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* kept,
+                           const int32_t* kept_indptr, const int32_t* out_indptr, const int32_t* out_indices, int batch,
+                           int kv_heads, int head_dim, int page_size, int dtype) {
+  fk::KvCompactParams p{};
+  p.k_cache = k, p.v_cache = v;
+  for (int d = 0; d < 3; ++d) p.k_strides[d] = k_strides[d], p.v_strides[d] = v_strides[d];
+  p.scores = scores, p.kv_indptr = kv_indptr, p.kv_indices = kv_indices, p.kept = kept, p.kept_indptr = kept_indptr;
+  p.out_indptr = out_indptr, p.out_indices = out_indices;
+  p.batch = batch, p.kv_heads = kv_heads, p.head_dim = head_dim, p.page_size = page_size, p.dtype = DType(dtype);
+  return fk::launch_kv_compact(p, nullptr);
+}
+
 }  // extern "C"
 
 namespace {

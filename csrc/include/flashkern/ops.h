@@ -317,6 +317,74 @@ struct AdamWParams {
   bool per_tensor_clip, maximize;
 };
 
+// KV-cache compression (kernels/kv_compress.cuh). A paged cache view: [num_pages, page_size, kv_heads,
+// head_dim] with the strides of its page, slot and head (elements); per-key scores are fp32
+// [num_pages, kv_heads, page_size], contiguous (they move with the pages). Request b's keys are the
+// page_size * (pages - 1) + last_page_len[b] positions of its pages kv_indices[kv_indptr[b] ..].
+//
+// Scores: for each key j and KV head, scale * sum over request b's queries i (its last qo_len
+// tokens, at positions kv_len - qo_len + i) and the group's q heads h of exp(logit(i, h, j) - lse[i, h]),
+// the attention probabilities from the lse the attention kernels returned (logits as theirs: times
+// sm_scale, soft-capped, causal and window_left masks). accumulate: keys before the last qo_len
+// (those already cached) add to what scores holds, the step's own keys start from 0; else every key
+// is written. A page index outside [0, num_pages) leaves its keys unread and unwritten.
+struct KvScoresParams {
+  float* scores;
+  const void* q;                 // [nnz_q, qo_heads, head_dim] dtype, 16-byte aligned rows
+  int64_t q_strides[2];          // token, head (elements)
+  const float* lse;              // [nnz_q, qo_heads], contiguous, natural log
+  const void* k_cache;
+  int64_t k_strides[3];          // page, slot, head (elements)
+  const int32_t* qo_indptr;      // [batch + 1]
+  const int32_t* kv_indptr;      // [batch + 1]
+  const int32_t* kv_indices;
+  const int32_t* kv_last_page_len;  // [batch]
+  int64_t num_pages, max_kv_len;    // max_kv_len: the longest request's keys (sizes the grid)
+  int batch, qo_heads, kv_heads, head_dim, page_size;
+  int window_left;               // -1: none
+  float sm_scale, logits_soft_cap, scale;
+  bool causal, accumulate;
+  DType dtype;                   // q and k: f16 or bf16
+};
+
+// Selection: per request b and KV head, the kept_indptr[b + 1] - kept_indptr[b] positions of the
+// highest scores, ascending, ties to the lower position; the first keep_first and the last window
+// positions rank above every score (the lower positions first among them), a NaN score below all.
+// pool > 1 (odd, at most 63): a key before the last `window` is scored by the average of the scores of the keys
+// within pool / 2 of it among those keys, as avg_pool1d(pool, stride 1, padding pool / 2) (SnapKV).
+// A budget past the request's length keeps every key and pads with -1.
+struct KvSelectParams {
+  int32_t* kept;                 // [kept_indptr[batch], kv_heads]
+  const int32_t* kept_indptr;    // [batch + 1]
+  const float* scores;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* kv_last_page_len;
+  int batch, kv_heads, page_size;
+  int window, keep_first, pool;
+};
+
+// Compaction: per request b and KV head, the keys and values (and scores, when given) at the kept
+// positions move, in order, to positions 0, 1, .. of the pages out_indices[out_indptr[b] ..]. The
+// destination pages are the request's own first pages (in place: position i is written only after
+// every kept position the block reads for i's chunk has been read, and a kept position is never
+// before its destination) or pages no request reads. The in-place argument needs each head's kept
+// positions strictly ascending in [0, kv_len), then only -1 (what kv_select writes; Python checks it).
+struct KvCompactParams {
+  void* k_cache;
+  void* v_cache;
+  int64_t k_strides[3], v_strides[3];
+  float* scores;                 // or nullptr
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* kept;           // [kept_indptr[batch], kv_heads]
+  const int32_t* kept_indptr;    // [batch + 1]
+  const int32_t* out_indptr;     // [batch + 1]
+  const int32_t* out_indices;
+  int batch, kv_heads, head_dim, page_size;
+  DType dtype;                   // f16 or bf16
+};
+
 const char* launch_grad_norm(const GradNormParams& p, void* stream);
 const char* launch_adamw(const AdamWParams& p, void* stream);
 
@@ -332,5 +400,8 @@ const char* launch_sampling(const SamplingParams& p, void* stream);
 const char* launch_renorm(const RenormParams& p, void* stream);
 const char* launch_softmax(const SoftmaxParams& p, void* stream);
 const char* launch_speculative(const SpeculativeParams& p, void* stream);
+const char* launch_kv_scores(const KvScoresParams& p, void* stream);
+const char* launch_kv_select(const KvSelectParams& p, void* stream);
+const char* launch_kv_compact(const KvCompactParams& p, void* stream);
 
 }  // namespace fk

@@ -11,6 +11,7 @@ from .norm import fused_add_rmsnorm, rmsnorm, rmsnorm_backward
 from .rope import rope
 from . import sampling  # noqa: E402  (ref.sampling.sampling, .renorm, .speculative, .kept)
 from . import optim  # noqa: E402  (ref.optim.grad_norm, .adamw)
+from . import kv_compress  # noqa: E402  (ref.kv_compress.kv_scores, .kv_select, .kv_compact)
 
 __all__ = [
     "act_and_mul",
