@@ -10,7 +10,7 @@ cache's cascade against flat decode. Sizes are small: the CPU reference path tak
 
 import torch
 
-from . import _backend, activation, attention, cascade, decode, norm, optim, prefill, ref, rope, sampling, spec
+from . import _backend, activation, attention, cascade, decode, kv_compress, norm, optim, prefill, ref, rope, sampling, spec
 from .prefix_cache import PrefixCache
 from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
@@ -316,9 +316,47 @@ def _prefix_cache(device, dtype, gen):
         _flat(expected[order.to(device)])
 
 
+def _kv_compress(device, dtype, gen):
+    """SnapKV's steps on a paged cache: the window's key scores from a paged prefill's lse (against float64),
+    the kept keys (exactly the reference's selection from the same scores), the cache compacted in place
+    (bit for bit the reference's)."""
+    if dtype == torch.float32:
+        return
+    kv_heads, group, head_dim, page_size, window = 2, 4, 64, 16, 8
+    kv_lens = [9, 60, 203]
+    qo_lens = [min(window, n) for n in kv_lens]
+    cache, indptr, indices, last, _ = _paged_cache(dtype, device, gen, kv_lens, kv_heads, head_dim, page_size)
+    qo_indptr = _i32([0] + torch.tensor(qo_lens).cumsum(0).tolist())
+    q = _rand((sum(qo_lens), kv_heads * group, head_dim), dtype, device, gen)
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8, device=device))
+    paged.plan(qo_indptr, indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, causal=True,
+               q_data_type=dtype)
+    _, lse = paged.run(q, cache, return_lse=True)
+    table = [t.to(device) for t in (indptr, indices, last)]
+    scores = kv_compress.key_scores(q, lse, cache, qo_indptr.to(device), *table)
+    expected = torch.zeros(scores.shape, dtype=torch.float64)
+    ref.kv_compress.kv_scores(q.double().cpu(), lse.double().cpu(), cache[:, 0].double().cpu(), qo_indptr, indptr,
+                              indices, last, expected, head_dim ** -0.5, 1.0, True, -1, 0.0, False)
+    yield "key_scores (SnapKV window)", tuple(q.shape), _flat(scores), _flat(expected)
+    budget, keep_first, kernel_size = [5, 20, 31], 2, 5
+    kept, kept_indptr = kv_compress.select_keys(scores, *table, budget, window, keep_first, kernel_size)
+    oracle = ref.kv_compress.kv_select(scores.cpu(), indptr, indices, last, kept_indptr.cpu(), kept.shape[0], window,
+                                       keep_first, kernel_size)
+    yield "select_keys (pooled, sinks, window)", tuple(kept.shape), \
+        Verdict((kept.cpu() != oracle).sum(), torch.equal(kept.cpu(), oracle)), None
+    compacted = cache.clone()
+    kv_compress.compact(compacted, *table, kept, kept_indptr)
+    want = cache.cpu().clone()
+    ref.kv_compress.kv_compact(want[:, 0], want[:, 1], None, indptr, indices, kept.cpu(), kept_indptr.cpu(),
+                               indptr, indices)
+    yield "compact (in place)", tuple(cache.shape), \
+        Verdict((compacted.cpu() != want).sum(), torch.equal(compacted.cpu(), want)), None
+
+
 FAMILIES = {"norms": _norms, "activations": _activations, "rope": _rope, "merge": _merge, "decode": _decode,
             "prefill": _prefill, "cascade": _cascade, "softmax": _softmax, "renorm": _renorm, "sampling": _sampling,
-            "speculative": _speculative, "optimizer": _optimizer, "prefix cache": _prefix_cache}
+            "speculative": _speculative, "optimizer": _optimizer, "prefix cache": _prefix_cache,
+            "kv compression": _kv_compress}
 
 
 def _row(family, op, device, backend, dtype, shape, actual, expected):

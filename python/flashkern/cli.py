@@ -30,11 +30,11 @@ def _print_info(data):
 
 
 def _print_check(rows, seconds):
-    header = f"{'family':13} {'op':44} {'device':7} {'backend':14} {'dtype':8} {'shape':16} {'error':>9}  result"
+    header = f"{'family':14} {'op':44} {'device':7} {'backend':14} {'dtype':8} {'shape':16} {'error':>9}  result"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['family']:13} {r['op']:44} {r['device']:7} {r['backend']:14} {r['dtype']:8} {str(r['shape']):16} "
+        print(f"{r['family']:14} {r['op']:44} {r['device']:7} {r['backend']:14} {r['dtype']:8} {str(r['shape']):16} "
               f"{r['max_abs_err']:9.2e}  {'pass' if r['passed'] else 'FAIL'}")
         if "error" in r:
             print(f"    {r['error']}")

@@ -9,6 +9,10 @@ norm multiplies by 1 + weight, in float32, then casts: flashkern's gemma_rmsnorm
 With attention=True the model's attention runs through flashkern's prefill attention too (the
 prompt pass and every generation step): transformers' attention interface under the name
 "fk_attention" (also usable as attn_implementation="fk_attention" once registered_attention() ran).
+With kv_compression (a flashkern.kv_compress policy: SnapKV, H2O or StreamingLLM) each layer's KV cache
+is compressed right after the prompt pass, from the scores the prompt's attention gives (SnapKV: the
+last window's votes; H2O: every prompt query's probabilities), and generate() decodes from the
+compressed cache (positions stay the prompt's: transformers counts them, not the cache).
 RMSNorm and MLP modules are patched one by one, in this model only. The rotary embedding is the
 module-level apply_rotary_pos_emb of the family's modeling file, so that patch applies to every
 model of the family in the process (as the attention layers look it up there).
@@ -96,7 +100,12 @@ def flashkern_attention(module, query, key, value, attention_mask, dropout=0.0, 
         raise ValueError("flashkern attention has no dropout; use the model in eval mode or attn_implementation='eager'")
     batch, heads, q_len, head_dim = query.shape
     window = -1 if sliding_window is None else int(sliding_window) - 1
-    outs = []
+    policy = getattr(module, "_fk_kv_compression", None)
+    prompt = policy is not None and q_len > 1 and q_len == key.shape[2]  # the prompt pass: scores wanted
+    if prompt and (attention_mask is not None or window >= 0 or softcap):
+        raise ValueError("apply_flashkern(kv_compression=...): the prompt pass must be causal without padding, "
+                         "sliding window or soft cap")
+    outs, lses = [], []
     for b in range(batch):
         q, k, v = query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1)  # NHD views
         mask = None
@@ -104,10 +113,52 @@ def flashkern_attention(module, query, key, value, attention_mask, dropout=0.0, 
             rows = attention_mask[b, 0] if attention_mask.dim() == 4 else attention_mask[b]
             mask = rows if rows.dtype == torch.bool else rows == 0  # additive masks: 0 where visible
             mask = mask[-q_len:, -k.shape[0]:].reshape(-1)
-        outs.append(flashkern.single_prefill_with_kv_cache(
+        out = flashkern.single_prefill_with_kv_cache(
             q.contiguous(), k.contiguous(), v.contiguous(), custom_mask=mask, causal=mask is None,
-            sm_scale=scaling, window_left=window if mask is None else -1, logits_soft_cap=softcap))
+            sm_scale=scaling, window_left=window if mask is None else -1, logits_soft_cap=softcap, return_lse=prompt)
+        if prompt:
+            out, lse = out
+            lses.append(lse)
+        outs.append(out)
+    if prompt:  # the hook compresses the layer's cache after its forward
+        module._fk_prompt = (query, torch.stack(lses), scaling)
     return torch.stack(outs), None
+
+
+def _compress_layer_cache(module, args, kwargs, output):
+    """A forward hook on an attention module: after the prompt pass, compress the layer's cache (transformers'
+    dynamic cache layer, keys / values [batch, kv_heads, tokens, head_dim]) with the module's policy."""
+    from flashkern import kv_compress
+
+    prompt = getattr(module, "_fk_prompt", None)
+    if prompt is None:
+        return output
+    module._fk_prompt = None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        return output
+    layer = cache.layers[module.layer_idx]
+    query, lse, scaling = prompt  # [B, H, T, D], [B, T, H]
+    batch, heads, tokens, head_dim = query.shape
+    # the dense cache as pages: a request a page of `tokens` slots (views, no copy)
+    k_pages, v_pages = layer.keys.transpose(1, 2), layer.values.transpose(1, 2)
+    device = query.device
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    table = (indptr, indptr[:-1].contiguous(), torch.full((batch,), tokens, dtype=torch.int32, device=device))
+    q = query.transpose(1, 2).reshape(batch * tokens, heads, head_dim)
+    lse = lse.reshape(batch * tokens, heads).contiguous()
+    qo_indptr = indptr * tokens
+    policy = module._fk_kv_compression
+    if isinstance(policy, kv_compress.SnapKV):
+        new = policy.compress(q, lse, qo_indptr, (k_pages, v_pages), *table, sm_scale=scaling)
+    elif isinstance(policy, kv_compress.H2O):
+        scores = policy.prompt_scores(q, lse, qo_indptr, (k_pages, v_pages), *table, sm_scale=scaling)
+        new = policy.compress(scores, (k_pages, v_pages), *table)
+    else:
+        new = policy.compress((k_pages, v_pages), *table)
+    kept = int(new.kv_last_page_len[0])
+    layer.keys, layer.values = layer.keys[:, :, :kept].contiguous(), layer.values[:, :, :kept].contiguous()
+    return output
 
 
 # transformers takes any attn_implementation whose name contains "flash" for a FlashAttention
@@ -141,7 +192,7 @@ def _attention_refusal(model):
     return None
 
 
-def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False):
+def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False, kv_compression=None):
     """Replace, in `model`, the RMSNorm modules, the gated MLPs' activation-and-multiply and the rotary
     application with flashkern ops, and with attention=True its attention implementation (the
     prompt through causal prefill, with the config's sliding window and soft cap; generation steps
@@ -149,7 +200,10 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
     "rope": ["module.function"], "attention": [the implementation it replaced], "skipped": {what: why}}.
     What flashkern cannot run (an MLP activation it has no kernel for; attention at a head_dim or dtype
     the kernels do not take, or with dropout) is checked first, left on its original path, named in
-    "skipped" and in a warning. Raises ValueError for a model family it does not know."""
+    "skipped" and in a warning. Raises ValueError for a model family it does not know.
+    kv_compression: a policy of flashkern.kv_compress (SnapKV, H2O, StreamingLLM); needs attention=True
+    and compresses every layer's cache after the prompt pass (batches without padding, every sequence
+    the same length); "kv_compression" in the result lists the attention modules it applies to."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(
@@ -173,7 +227,18 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
     refusal = _attention_refusal(model) if attention else None
     if refusal:
         skipped["attention"] = refusal
-    replaced = {"rmsnorm": [], "swiglu": [], "rope": [], "attention": [], "skipped": skipped}
+    if kv_compression is not None:
+        from flashkern import kv_compress
+
+        if not isinstance(kv_compression, (kv_compress.SnapKV, kv_compress.H2O, kv_compress.StreamingLLM)):
+            raise TypeError(f"apply_flashkern: kv_compression must be a flashkern.kv_compress policy (SnapKV, H2O, "
+                            f"StreamingLLM), got {type(kv_compression).__name__}")
+        if not attention:
+            raise ValueError("apply_flashkern: kv_compression needs attention=True (the scores come from "
+                             "flashkern's attention)")
+        if refusal:
+            skipped["kv_compression"] = "flashkern's attention does not run this model"
+    replaced = {"rmsnorm": [], "swiglu": [], "rope": [], "attention": [], "kv_compression": [], "skipped": skipped}
     for kind, name, module, forward in patches:
         module.forward = types.MethodType(forward, module)
         replaced[kind].append(name)
@@ -183,6 +248,12 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
     if attention and not refusal:
         replaced["attention"].append(model.config._attn_implementation)
         model.set_attn_implementation(registered_attention())
+        if kv_compression is not None:
+            for name, module in model.named_modules():
+                if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
+                    module._fk_kv_compression = kv_compression
+                    module.register_forward_hook(_compress_layer_cache, with_kwargs=True)
+                    replaced["kv_compression"].append(name)
     if skipped:
         warnings.warn("apply_flashkern: left on their original path: " +
                       "; ".join(f"{what} ({why})" for what, why in skipped.items()), stacklevel=2)
