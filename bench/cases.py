@@ -1094,3 +1094,111 @@ OPTIM_STEP = [
     Provider("torch", _torch_step),  # fused AdamW + foreach clip_grad_norm_
     Provider("apex", _apex_step, "apex.optimizers", True),  # FusedAdam (adam_w_mode) + torch's clip
 ]
+
+
+# ---------------------------------------------------------------- KV-cache compression
+
+# The decode shapes' heads and pages; SnapKV-like selection keeps 10 % of each request's keys.
+KV_KEEP = 0.1
+
+
+def kv_compress_shapes():
+    """[(label, batch, (kv length, GQA group))]: the issue's batch 64 at 32K, and a shorter batch."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 2, (40, 4))]
+    return [(f"b={b} len={n} g={g}", b, (n, g)) for b, n, g in ((64, 32768, 4), (16, 4096, 8))]
+
+
+def decode_scores_bytes(batch, shape, dtype):
+    """Decode's bytes and the running scores read and written (float32 a key and KV head): what a
+    fused epilogue must move; flashkern's second pass over K is not counted (it is the overhead)."""
+    length, _ = shape
+    return decode_bytes(batch, shape, dtype) + 8 * batch * length * KV_HEADS
+
+
+def _kept(length):
+    return max(1, int(length * KV_KEEP))
+
+
+def kv_select_bytes(batch, shape, dtype):
+    """Every score read once, the kept positions (int32 a KV head) written."""
+    length, _ = shape
+    return 4 * batch * length * KV_HEADS + 4 * batch * _kept(length) * KV_HEADS
+
+
+def kv_compact_bytes(batch, shape, dtype):
+    """The kept keys and values (and their scores) read once and written once; the positions read."""
+    length, _ = shape
+    s = torch.finfo(dtype).bits // 8
+    n = batch * _kept(length) * KV_HEADS
+    return 2 * n * (2 * HEAD_DIM * s + 4) + 4 * n
+
+
+class KvCompressCase(PagedCase):
+    """A decode case with H2O scores (float32, laid out like the cache), the kept positions of a 10 % budget
+    per request and KV head, and the page table of a compaction in place (each request's first pages: a
+    replay moves the same bytes again)."""
+
+    def __init__(self, seed, batch, length, group, dtype):
+        super().__init__(seed, batch, _page_table([length] * batch), *_heads(group), dtype)
+        device = self.cache.device
+        self.scores = torch.rand(self.cache.shape[0], KV_HEADS, PAGE_SIZE, device=device,
+                                 generator=torch.Generator(device=device).manual_seed(seed))
+        self.kept, self.kept_indptr = _flashkern().kv_compress.select_keys(self.scores, *self.tables, _kept(length))
+        self.length, self.num_kept = length, int(self.kept.shape[0])
+        indptr, indices, _ = self.tables
+        pages = indices.long().view(batch, -1)
+        need = -(-_kept(length) // PAGE_SIZE)
+        self.out_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * need
+        self.out_indices = pages[:, :need].flatten().to(torch.int32)
+        # dense copies for torch: scores [batch, kv_heads, length], K and V [batch, length, kv_heads, D]
+        self.dense_scores = self.scores[pages].permute(0, 2, 1, 3).flatten(2)[:, :, :length].contiguous()
+        self.dense_k = self.cache[pages, 0].flatten(1, 2)[:, :length].contiguous()
+        self.dense_v = self.cache[pages, 1].flatten(1, 2)[:, :length].contiguous()
+
+
+def kv_compress_inputs(batch, shape, dtype):
+    length, group = shape
+    return lambda seed: (KvCompressCase(seed, batch, length, group, dtype),)
+
+
+def _decode_with_scores(case):
+    return lambda: case.decode.run(case.q, case.cache, kv_scores=case.scores)
+
+
+def _flashkern_select(case):
+    op = torch.ops.flashkern.kv_select
+    return lambda: op(case.scores, *case.tables, case.kept_indptr, case.num_kept, 0, 0, 1)
+
+
+def _torch_select(case):
+    """torch.topk over each request's dense scores, then the kept positions in ascending order."""
+    k = _kept(case.length)
+    return lambda: torch.topk(case.dense_scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def _flashkern_compact(case):
+    op = torch.ops.flashkern.kv_compact
+    return lambda: op(case.cache[:, 0], case.cache[:, 1], case.scores, *case.tables[:2], case.kept, case.kept_indptr,
+                      case.out_indptr, case.out_indices)
+
+
+def _torch_compact(case):
+    """torch.gather of the kept rows of dense K, V and scores (per request and KV head)."""
+    kept = case.kept.long().view(case.batch, -1, KV_HEADS)  # [batch, n, kv_heads]
+    index = kept[..., None].expand(-1, -1, -1, HEAD_DIM)
+
+    def run():
+        return (case.dense_k.gather(1, index), case.dense_v.gather(1, index),
+                case.dense_scores.gather(2, kept.transpose(1, 2)))
+
+    return run
+
+
+DECODE_NO_SCORES = "flashkern (decode only)"
+DECODE_SCORES = [
+    Provider("flashkern", _decode_with_scores, requires="flashkern"),
+    Provider(DECODE_NO_SCORES, lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+]
+KV_SELECT = [Provider("flashkern", _flashkern_select, requires="flashkern"), Provider("torch", _torch_select)]
+KV_COMPACT = [Provider("flashkern", _flashkern_compact, requires="flashkern"), Provider("torch", _torch_compact)]

@@ -19,7 +19,8 @@ OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "sil
        "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states", "batch_decode", "cascade", "prefill",
        "top_k_sampling_from_probs", "top_p_sampling_from_probs", "top_k_top_p_sampling_from_probs",
        "sampling_from_probs", "min_p_sampling_from_probs", "top_k_renorm_probs", "top_p_renorm_probs",
-       "top_k_mask_logits", "chain_speculative_sampling", "prefix_cache_decode", "adamw_step", "softmax"}
+       "top_k_mask_logits", "chain_speculative_sampling", "prefix_cache_decode", "adamw_step", "softmax",
+       "decode_kv_scores", "kv_select", "kv_compact"}
 HOST_OPS = {"prefix_cache_plan": {"plan_cascade", "plan_decode"}}  # host code: µs per call, no bytes
 
 
