@@ -141,10 +141,12 @@ def select_oracle(s, budget, window, keep_first, kernel_size):
 
 @pytest.mark.parametrize("kernel_size", [1, 5])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_select_keys_exact(device, kernel_size, page_size):
+@pytest.mark.parametrize("window", [8, 32, 64])
+def test_select_keys_exact(device, kernel_size, page_size, window):
+    """Budgets below, at and above the length; a window and sinks beyond the budget (request 0 at window 64)."""
     lengths = [300, 41, 1000, 7, 64] if not emulated(device) else [300, 41, 7]
     budgets = [30, 41, 100, 3, 20][: len(lengths)]
-    window, keep_first = 8, 2
+    keep_first = 2
     pages = sum(-(-n // page_size) for n in lengths) + 2
     perm = torch.randperm(pages, generator=torch.Generator().manual_seed(1))
     indptr, indices, last, at = [0], [], [], 0
