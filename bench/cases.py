@@ -1110,8 +1110,9 @@ def kv_compress_shapes():
 
 
 def decode_scores_bytes(batch, shape, dtype):
-    """Decode's bytes and the running scores read and written (float32 a key and KV head): what a
-    fused epilogue must move; flashkern's second pass over K is not counted (it is the overhead)."""
+    """Decode's bytes and the running scores read and written (float32 a key and KV head): the least a score
+    epilogue moves; the logits flashkern's kernels write and read back (8 bytes a query head and key) are
+    not counted (they are the overhead)."""
     length, _ = shape
     return decode_bytes(batch, shape, dtype) + 8 * batch * length * KV_HEADS
 

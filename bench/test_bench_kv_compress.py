@@ -1,5 +1,5 @@
 """KV-cache compression: batch decode that also accumulates H2O's per-key scores beside the plain decode
-(the overhead of the scores: today a second pass over K), the selection of 10 % of the keys beside
+(the overhead of the scores: the kernels' logits written, then read with the lse), the selection of 10 % of the keys beside
 torch.topk over dense scores, and the compaction in place beside torch.gather of dense K and V. Bytes:
 cases.decode_scores_bytes, kv_select_bytes, kv_compact_bytes."""
 

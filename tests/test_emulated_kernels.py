@@ -6,6 +6,7 @@ planning and reductions where no GPU exists; it does not check the hardware memo
 or the conversion instructions."""
 
 import ctypes
+import math
 import os
 import shutil
 import subprocess
@@ -73,7 +74,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_rope": [P, P, P, P, P, I, P, P, L, L, I, I, I, I, I64, I, I, I, I],
         "emu_merge_states": [P, P, P, P, P, P, P, L, I, I, I, I],
         "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, ctypes.POINTER(ctypes.c_int32), I, P, P, P,
-                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I, P, L, F],
+                                ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I, P, L, F, P, L],
         "emu_launch_probe": [I, I, I, I],
         "emu_sampling": [P, P, P, L, L, P, L, I, L, F, F, L],
         "emu_renorm": [P, P, L, L, I, I, L, F],
@@ -81,7 +82,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_speculative": [P, P, P, P, P, I, P, P, P, L, I, L, I, I, L],
         "emu_grad_norm": [P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, F, I, F, I],
         "emu_adamw": [P, P, P, P, P, P, I64, ctypes.POINTER(ctypes.c_int), L, P, D, D, D, F, D, P, I, P, I],
-        "emu_kv_scores": [P, P, I64, P, P, I64, P, P, P, P, L, L, I, I, I, I, I, I, F, F, F, I, I, I],
+        "emu_kv_scores": [P, P, I64, P, P, I64, P, P, P, P, L, L, I, I, I, I, I, I, F, F, F, I, I, I, P, L],
         "emu_kv_select": [P, P, P, P, P, P, I, I, I, I, I, I],
         "emu_kv_compact": [P, P, I64, I64, P, P, P, P, P, P, P, I, I, I, I, I],
     }
@@ -363,8 +364,9 @@ def attention_lib(request):
     return request.getfixturevalue({"cuda": "emu", "hip-wave64": "emu_wave64", "hip-wave32": "emu_wave32"}[request.param])
 
 
-def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, sinks=None, out_scale=1.0):
-    """The kernels on the wrapper's plan: (out, lse), both NaN before the launch; out in the plan's o_data_type."""
+def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, sinks=None, out_scale=1.0, logits=None):
+    """The kernels on the wrapper's plan: (out, lse), both NaN before the launch; out in the plan's o_data_type;
+    logits: [batch, qo_heads, L] float32 for the kv_scores epilogue."""
     from flashkern._paged_attention import kv_cache_views
 
     core, info = wrapper._core, wrapper._core._plan_info
@@ -387,7 +389,8 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, s
                                q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.shape[1],
                                ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype], ptr(sinks), ctypes.c_float(out_scale),
                                DTYPE[out.dtype], ptr(mask), 0 if mask is None else mask.numel(),
-                               ctypes.c_float(info["logits_soft_cap"])))
+                               ctypes.c_float(info["logits_soft_cap"]), ptr(logits),
+                               0 if logits is None else logits.shape[2]))
     return out, lse
 
 
@@ -872,13 +875,13 @@ def kv_case(lengths, kv_heads, head_dim, page_size, dtype, seed=0):
 
 
 def run_kv_scores(lib, scores, q, lse, k, qo_indptr, indptr, indices, last, causal=True, window_left=-1, cap=0.0,
-                  scale=1.0, accumulate=False):
+                  scale=1.0, accumulate=False, logits=None):
     lengths = [(int(indptr[b + 1] - indptr[b]) - 1) * k.shape[1] + int(last[b]) for b in range(len(last))]
     ok(lib.emu_kv_scores(ptr(scores), ptr(q), i64s(*q.stride()[:2]), ptr(lse), ptr(k), i64s(*k.stride()[:3]),
                          ptr(qo_indptr), ptr(indptr), ptr(indices), ptr(last), k.shape[0], max(lengths),
                          len(lengths), q.shape[1], k.shape[2], q.shape[2], k.shape[1], window_left,
                          ctypes.c_float(q.shape[2] ** -0.5), ctypes.c_float(cap), ctypes.c_float(scale), int(causal),
-                         int(accumulate), DTYPE[q.dtype]))
+                         int(accumulate), DTYPE[q.dtype], ptr(logits), 0 if logits is None else logits.shape[2]))
 
 
 @pytest.mark.parametrize("group,head_dim,page_size,qo_lens", [(1, 64, 1, [1, 1, 1]), (4, 128, 16, [64, 9, 1]),
@@ -990,6 +993,57 @@ def test_kv_compact_kernel(attention_lib, head_dim, page_size, fresh):
     assert torch.equal(scores.nan_to_num(-9), es.nan_to_num(-9))
 
 
+# kv_scores' epilogue: the decode kernel (groups 1-4) and the 16-row tiles (5-16) write the base-2 logit of each
+# key a query sees, split requests included; window and soft cap on both kernels
+EPILOGUE_CASES = [(g, d, ps, dt, w, cap) for g, d, ps, dt in ATTENTION_CASES if g <= 16
+                  for w, cap in ((-1, 0.0), (100, 20.0))]
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,dtype,window_left,cap", EPILOGUE_CASES)
+def test_attention_logits_epilogue(attention_lib, group, head_dim, page_size, dtype, window_left, cap):
+    """The logits (NaN before) hold q.k * sm_scale (soft-capped) * log2 e at exactly the keys each query sees;
+    kv_scores from them and the lse (nothing else read: NaN elsewhere) equals float64's probabilities."""
+    from paged_kv import paged, random_kv, rounded
+
+    import flashkern
+
+    lengths, kv_heads = [1, 37, 0, 300], 2
+    kvs = random_kv(lengths, kv_heads, head_dim, seed=60)
+    cache, indptr, indices, last = paged(kvs, page_size, "NHD", dtype, seed=60)
+    q = rand((len(lengths), kv_heads * group, head_dim), dtype, "cpu", scale=2.0, seed=61)
+    wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8))
+    wrapper._core._min_chunk = 64
+    wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype,
+                 window_left=window_left, logits_soft_cap=cap or None)
+    info = wrapper._core._plan_info
+    assert info["grid"][2] == 0 and info["grid"][3] == 1  # no 64-row tiles; request 3 split and merged
+    logits = torch.full((len(lengths), q.shape[1], max(lengths)), float("nan"))
+    out, lse = run_attention(attention_lib, wrapper, q, cache, logits=logits)
+    sm_scale, log2e = head_dim**-0.5, 1 / math.log(2)
+    expected = torch.full(logits.shape, float("nan"), dtype=torch.float64)
+    probs = torch.zeros(cache.shape[0], kv_heads, page_size, dtype=torch.float64)
+    for b, (k, _) in enumerate(rounded(kvs, dtype)):
+        n = lengths[b]
+        x = torch.einsum("hd,nhd->hn", q[b].double(), k.repeat_interleave(group, 1)) * sm_scale
+        x = cap * torch.tanh(x / cap) if cap else x
+        seen = torch.arange(n) >= (n - 1 - window_left if window_left >= 0 else 0)
+        expected[b, :, :n] = torch.where(seen, x * log2e, float("nan"))
+        p = torch.exp(x - lse[b].double()[:, None]) * seen
+        j = torch.arange(n)
+        pages = indices[indptr[b] : indptr[b + 1]].long()
+        probs[pages[j // page_size], :, j % page_size] = p.view(kv_heads, group, n).sum(1).t()
+    torch.testing.assert_close(logits.double(), expected, atol=5e-4, rtol=1e-4, equal_nan=True)
+    scores = torch.full(probs.shape, float("nan"))
+    run_kv_scores(attention_lib, scores, q, lse, cache[:, 0], torch.arange(len(lengths) + 1, dtype=torch.int32),
+                  indptr, indices, last, window_left=window_left, cap=cap, logits=logits)
+    written = torch.zeros(probs.shape, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        j = torch.arange(n)
+        written[indices[indptr[b] : indptr[b + 1]].long()[j // page_size], :, j % page_size] = True
+    assert scores[~written].isnan().all()  # nothing past the requests' keys
+    torch.testing.assert_close(scores[written].double(), probs[written], atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -1029,5 +1083,7 @@ def test_every_kernel_and_path(attention_lib):
     test_grad_norm_kernel(lib, 2.0, True)
     test_adamw_kernel(lib, MIXED, True, "global")
     test_kv_scores_kernel(lib, 4, 128, 16, [64, 9, 1], torch.float16)
+    test_attention_logits_epilogue(lib, 2, 128, 1, torch.bfloat16, 100, 20.0)  # decode kernel
+    test_attention_logits_epilogue(lib, 8, 64, 1, torch.bfloat16, -1, 0.0)  # 16-row tiles
     test_kv_select_kernel(lib, 5, 8, 2)
     test_kv_compact_kernel(lib, 128, 16, False)  # in place

@@ -135,6 +135,13 @@ MUTANTS = {
         "sum += expf(logit - lse);", "sum += expf(logit);",
         None, "test_kv_scores_kernel and cuda and float16-4-128", r"Mismatched elements|AssertionError",
     ),
+    # scores from the attention's logits without the final lse: partial, unnormalized weights
+    "kv_scores_from_logits_without_lse": (
+        "include/flashkern/kernels/kv_compress.cuh",
+        "sum += exp2f(logit[h * p.logits_stride] - lse[h] * kLog2e);",
+        "sum += exp2f(logit[h * p.logits_stride]);",
+        None, "test_attention_logits_epilogue and cuda and 2-128-1", r"Mismatched elements|AssertionError",
+    ),
     # a K tile staged through store16, a global store (st.global on CUDA): a GPU faults on the shared address
     "global_store_to_shared_memory": (
         "include/flashkern/kernels/kv_compress.cuh",

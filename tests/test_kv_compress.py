@@ -377,3 +377,45 @@ def test_h2o_scores_over_prefill_and_decode_steps(device, split):
         p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True)).view(heads, group, -1).sum(1).t()
         before = torch.cat([moved[b][rows, torch.arange(heads)], torch.zeros(1, heads, dtype=torch.float64)])
         assert_close(paged_scores(scores, t_ptr, t_idx, t_last, b), before + p, torch.float32)
+
+
+@pytest.mark.parametrize("group,q_len", [(4, 1), (8, 1), (16, 1), (4, 3)])
+def test_decode_scores_from_the_attention_logits(device, group, q_len):
+    """Decode with a window, a soft cap and split KV: GQA 4 (the decode kernel), 8 and 16 (16-row tiles), three
+    queries a request (MTP: causal among themselves, 16-row tiles). run(kv_scores=) reads the logits the
+    attention kernels wrote (their epilogue), against float64 probabilities."""
+    from flashkern import BatchDecodeWithPagedKVCacheWrapper
+
+    heads, d, page_size, window, cap = 2, 64, 16, 50, 30.0
+    lengths = [200, 37, 3]
+    kv = random_kv(lengths, heads, d, 5)
+    cache, indptr, indices, last = paged(kv, page_size, "NHD", torch.bfloat16, device, seed=5)
+    q = rand((len(lengths) * q_len, heads * group, d), torch.bfloat16, device, seed=6)
+    dec = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=device))
+    dec.plan(indptr.to(device), indices.to(device), last.to(device), heads * group, heads, d, page_size,
+             q_data_type=torch.bfloat16, window_left=window, logits_soft_cap=cap, fixed_split_size=4,
+             q_len_per_req=q_len)
+    info = dec._core._plan_info
+    assert info["grid"][2] == 0 and info["grid"][3] == 1  # no 64-row tile (they write no logits); a split merged
+    scores = torch.zeros(cache.shape[0], heads, page_size, device=device)
+    dec.run(q, cache, kv_scores=scores)
+    for b, n in enumerate(lengths):
+        k = kv[b][0].to(torch.bfloat16).double()
+        s = logits64(q[b * q_len : (b + 1) * q_len], k, d**-0.5, causal=True, window_left=window, cap=cap)
+        p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True)).view(q_len, heads, group, n).sum((0, 2)).t()
+        assert_close(paged_scores(scores, indptr, indices, last, b), p, torch.float32)
+
+
+def test_attention_logits_argument_is_checked(device):
+    """kv_scores' logits (the wrapper allocates them): float32 [q rows, qo_heads, >= max_kv_len], contiguous."""
+    from flashkern.kv_compress import _run
+
+    cache, indptr, indices, last = paged(random_kv([5, 9], 2, 64, 0), 16, "NHD", torch.float16, device)
+    q = rand((2, 4, 64), torch.float16, device)
+    args = (q, torch.zeros(2, 4, device=device), cache[:, 0], i32([0, 1, 2]).to(device), indptr.to(device),
+            indices.to(device), last.to(device), torch.zeros(cache.shape[0], 2, 16, device=device), 9, 0.125, 1.0,
+            True, -1, 0.0, False)
+    for bad in (torch.zeros(2, 4, 8, device=device), torch.zeros(2, 4, 9, dtype=torch.float16, device=device),
+                torch.zeros(2, 4, 18, device=device)[:, :, ::2], torch.zeros(2, 3, 9, device=device)):
+        with pytest.raises(ValueError, match="logits must be a contiguous float32 tensor"):
+            _run("kv_scores", q.device, torch.float16, *args, bad)

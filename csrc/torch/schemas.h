@@ -42,11 +42,12 @@ inline void define_schemas(torch::Library& m) {
   // kv_indices per level; writes out [batch, qo_heads, head_dim] (float16 or bfloat16, either for
   // either q) and lse [batch, qo_heads] (natural log). grid: blocks for the decode, 16-row and 64-row
   // kernels and (0 or 1) the merge. sinks: [qo_heads] float32 sink logits; out_scale scales out;
-  // custom_mask: uint8, the plan's masks as little-endian bits; logits_soft_cap > 0: cap * tanh(x / cap).
+  // custom_mask: uint8, the plan's masks as little-endian bits; logits_soft_cap > 0: cap * tanh(x / cap);
+  // logits: float32 [batch, qo_heads, L], the decode and 16-row kernels' logits (base 2) for kv_scores.
   m.def(
       "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
       "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0, "
-      "bool enable_pdl=False, Tensor? custom_mask=None, float logits_soft_cap=0.0) -> ()");
+      "bool enable_pdl=False, Tensor? custom_mask=None, float logits_soft_cap=0.0, Tensor(d!)? logits=None) -> ()");
   // one token per row of probs [rows, vocab] float32 (or per indices entry): filter 'none', 'top_k',
   // 'top_p', 'min_p' or 'top_k_top_p' (joint), each parameter a scalar or a [batch] tensor; random
   // numbers from Philox keyed by seed and offset (values or [1] / [batch] int64 tensors). Returns the
@@ -73,12 +74,13 @@ inline void define_schemas(torch::Library& m) {
   // [pages, page_size, kv_heads, head_dim]; scores float32 [pages, kv_heads, page_size]; page tables
   // int32 CSR (kv_indptr, kv_indices, kv_last_page_len). kv_scores adds (accumulate) or writes the
   // attention probabilities of q's queries (per request the last tokens, qo_indptr) from their lse;
+  // logits: batch_attention's (in place of q . k: no read of q or K);
   // kv_select returns kept positions [num_kept, kv_heads], num_kept = kept_indptr[-1]; kv_compact moves
   // the kept keys, values and scores to positions 0.. of the pages out_indices[out_indptr[b]..].
   m.def(
       "kv_scores(Tensor q, Tensor lse, Tensor k_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kv_last_page_len, Tensor(a!) scores, int max_kv_len, float sm_scale, float scale, bool causal, "
-      "int window_left, float logits_soft_cap, bool accumulate) -> ()");
+      "int window_left, float logits_soft_cap, bool accumulate, Tensor? logits=None) -> ()");
   m.def(
       "kv_select(Tensor scores, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, Tensor kept_indptr, "
       "int num_kept, int window, int keep_first, int kernel_size) -> Tensor");

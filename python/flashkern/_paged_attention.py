@@ -396,20 +396,40 @@ class PagedAttention:
         if out.dtype != info["o_dtype"]:
             raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
         cap = info["logits_soft_cap"] if logits_soft_cap is None else soft_cap_value(op, logits_soft_cap)
+        score_tables = None if kv_scores is None else self._score_tables(op, kv_scores)
+        logits = None
+        if score_tables is not None and self._scores_from_logits(k, score_tables[-1]):
+            logits = torch.empty(*q.shape[:2], score_tables[-1], dtype=torch.float32, device=q.device)
         args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale, pdl,
-                info["custom_mask"], cap)
+                info["custom_mask"], cap, logits)
         if _backend.use_reference(q.device):
             _batch_attention_cpu(*args)
         else:
             _ops.batch_attention(*args)
         if kv_scores is not None:
-            self._add_scores(op, q, k, lse, kv_scores, sm_scale, cap)
+            qo, kv_indptr, indices, last, max_kv_len = score_tables
+            args = (q, lse, k, qo, kv_indptr, indices, last, kv_scores, max_kv_len, sm_scale, 1.0, info["causal"],
+                    info["window_left"], cap, True, logits)
+            if _backend.use_reference(q.device):
+                from .kv_compress import _kv_scores_cpu
+                _kv_scores_cpu(*args)
+            else:
+                _ops.kv_scores(*args)
         return out, lse
 
-    def _add_scores(self, op, q, k_cache, lse, scores, sm_scale, cap):
-        """kv_scores after the attention run: the probabilities exp(logit - lse) of every query, summed over
-        the GQA group, added into scores [num_pages, num_kv_heads, page_size] (the step's own keys start
-        from 0). A second read of K (kernels/kv_compress.cuh)."""
+    def _scores_from_logits(self, k_cache, max_kv_len):
+        """Whether kv_scores reads the attention kernels' logits (their epilogue) rather than q and K again:
+        when no 64-row tile runs (they write none) and the logits take no more bytes than K (decode: 4 bytes
+        a query head and key against 2 * head_dim a KV head and key)."""
+        info = self._plan_info
+        kv_tokens = int(info["score_tables"][0][1][-1]) * info["page_size"]  # an upper bound: whole pages
+        logit_bytes = 4 * info["batch"] * info["num_qo_heads"] * max_kv_len
+        return info["grid"][2] == 0 and logit_bytes <= kv_tokens * info["num_kv_heads"] * info["head_dim"] * \
+            k_cache.element_size()
+
+    def _score_tables(self, op, scores):
+        """kv_scores' page tables on the device (the step's own keys start from 0, the earlier ones add):
+        (qo_indptr, kv_indptr, kv_indices, kv_last_page_len, max_kv_len), made once a plan."""
         info = self._plan_info
         if info["score_tables"] is None:
             raise ValueError(f"{op}: kv_scores needs a paged plan of one level without a custom mask")
@@ -432,14 +452,7 @@ class PagedAttention:
             device = self._device
             tables = info["score_device"] = (qo.to(device), kv_indptr.to(device), device_indices, last.to(device),
                                              int(kv_len.max()) if batch else 0)
-        qo, kv_indptr, indices, last, max_kv_len = tables
-        args = (q, lse, k_cache, qo, kv_indptr, indices, last, scores, max_kv_len, sm_scale, 1.0, info["causal"],
-                info["window_left"], cap, True)
-        if _backend.use_reference(q.device):
-            from .kv_compress import _kv_scores_cpu
-            _kv_scores_cpu(*args)
-        else:
-            _ops.kv_scores(*args)
+        return tables
 
 
 def scale_factor(op, name, value):
@@ -474,7 +487,7 @@ def sink_logits(op, sinks, num_qo_heads, device):
 
 
 def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None, out_scale=1.0, custom_mask=None,
-               logits_soft_cap=0.0):
+               logits_soft_cap=0.0, logits=None):
     """ref.batch_attention on the plan and the partial-state buffers of a workspace."""
     batch, heads, head_dim = q.shape
     head = workspace[:64]
@@ -484,7 +497,7 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
     partial_v = workspace[v_at : v_at + 4 * slots * heads * head_dim].view(torch.float32).view(slots, heads, head_dim)
     words = workspace[: 4 * int_words].view(torch.int32)
     return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks, out_scale,
-                               custom_mask, logits_soft_cap)
+                               custom_mask, logits_soft_cap, logits)
 
 
 # ---- CPU: the reference, with the same checks as the kernels ----
@@ -492,11 +505,11 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
 
 @_backend.register_cpu("batch_attention")
 def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                         out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0):
+                         out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0, logits=None):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          sinks, out_scale, custom_mask, logits_soft_cap)
+                          sinks, out_scale, custom_mask, logits_soft_cap, logits=logits)
     o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks, out_scale, custom_mask,
-                      logits_soft_cap)
+                      logits_soft_cap, logits)
     out.copy_(o)
     lse.copy_(s)
 
@@ -506,6 +519,6 @@ def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, g
 
 @torch.library.register_fake("flashkern::batch_attention")
 def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0):
+                          out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0, logits=None):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          sinks, out_scale, custom_mask, logits_soft_cap, addresses=False)
+                          sinks, out_scale, custom_mask, logits_soft_cap, addresses=False, logits=logits)

@@ -219,14 +219,14 @@ MIN_SOFT_CAP = 1e-6  # smaller caps would overflow the kernels' float scale (sm_
 
 
 def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0, custom_mask=None, logits_soft_cap=0.0, addresses=True):
+                          out_scale=1.0, custom_mask=None, logits_soft_cap=0.0, addresses=True, logits=None):
     """torch.ops.flashkern.batch_attention's arguments: q [batch, qo_heads, D], k_cache and v_cache
     [pages, page_size, kv_heads, D] (any strides, D contiguous), kv_indices a list of 1-D int32
     tensors, a uint8 workspace, out [batch, qo_heads, D] (float16 or bfloat16) and lse [batch,
     qo_heads] float32, both contiguous, grid four non-negative ints, a finite sm_scale, sinks None or
     [qo_heads] float32, a finite out_scale, custom_mask None or 1-D uint8 (packed bits), a finite
-    logits_soft_cap >= 0. addresses=False (fake tensors, which have none): skip the alignment of
-    workspace and out."""
+    logits_soft_cap >= 0, logits None or [batch, qo_heads, L] float32 contiguous. addresses=False (fake
+    tensors, which have none): skip the alignment of workspace and out."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("workspace", workspace), ("out", out),
                     ("lse", lse)):
         check_tensor(op, name, t)
@@ -286,6 +286,17 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
             raise ValueError(f"{op}: custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on {q.device}")
     if not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
         raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
+    if logits is not None:
+        check_logits(op, logits, q, 0)
+
+
+def check_logits(op, logits, q, min_len):
+    """The attention's logits for kv_scores: float32 [q rows, qo_heads, >= min_len], contiguous, on q's device."""
+    check_tensor(op, "logits", logits)
+    if logits.dtype != torch.float32 or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(q.shape[:2]) or \
+            logits.shape[2] < min_len or not logits.is_contiguous() or logits.device != q.device:
+        raise ValueError(f"{op}: logits must be a contiguous float32 tensor [{q.shape[0]}, {q.shape[1]}, >= {min_len}] "
+                         f"on {q.device}")
 
 
 # ---- sampling, renormalization, speculative verification (csrc/torch/glue/sampling.h) ----
@@ -578,7 +589,7 @@ def check_page_table(op, kv_indptr, kv_indices, kv_last_page_len, ref):
 
 
 def check_kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, max_kv_len, sm_scale,
-                    scale, window_left, logits_soft_cap, addresses=True, reference=False):
+                    scale, window_left, logits_soft_cap, addresses=True, reference=False, logits=None):
     op = "kv_scores"
     check_cache_view(op, "k_cache", k_cache, addresses, reference)
     check_tensor(op, "q", q)
@@ -606,6 +617,8 @@ def check_kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_p
         raise ValueError(f"{op}: sm_scale and scale must be finite")
     if not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
         raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
+    if logits is not None:
+        check_logits(op, logits, q, max_kv_len)
 
 
 def check_kv_select(scores, kv_indptr, kv_indices, kv_last_page_len, kept_indptr, num_kept, window, keep_first,

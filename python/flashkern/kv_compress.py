@@ -372,18 +372,19 @@ class H2O:
 
 @_backend.register_cpu("kv_scores")
 def _kv_scores_cpu(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, max_kv_len, sm_scale,
-                   scale, causal, window_left, logits_soft_cap, accumulate):
+                   scale, causal, window_left, logits_soft_cap, accumulate, logits=None):
     _validate.check_kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, max_kv_len,
-                              sm_scale, scale, window_left, logits_soft_cap, reference=True)
+                              sm_scale, scale, window_left, logits_soft_cap, reference=True, logits=logits)
     ref.kv_compress.kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, sm_scale,
-                              scale, causal, window_left, logits_soft_cap, accumulate)
+                              scale, causal, window_left, logits_soft_cap, accumulate, logits)
 
 
 @torch.library.register_fake("flashkern::kv_scores")
 def _kv_scores_fake(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, max_kv_len, sm_scale,
-                    scale, causal, window_left, logits_soft_cap, accumulate):
+                    scale, causal, window_left, logits_soft_cap, accumulate, logits=None):
     _validate.check_kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, max_kv_len,
-                              sm_scale, scale, window_left, logits_soft_cap, addresses=False, reference=True)
+                              sm_scale, scale, window_left, logits_soft_cap, addresses=False, reference=True,
+                              logits=logits)
 
 
 @_backend.register_cpu("kv_select")

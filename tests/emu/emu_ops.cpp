@@ -110,7 +110,8 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
                                 const int32_t* plan, float* partial_s, float* partial_v, const int* grid, int batch,
                                 int qo_heads, int kv_heads, int head_dim, int page_size, float sm_scale, int dtype,
                                 const float* sinks, float out_scale, int out_dtype, const uint8_t* custom_mask,
-                                int64_t custom_mask_bytes, float logits_soft_cap) {
+                                int64_t custom_mask_bytes, float logits_soft_cap, float* logits,
+                                int64_t logits_stride) {
   fk::BatchAttentionParams p{};
   p.out = out, p.lse = lse, p.q = q, p.k_cache = k_cache, p.v_cache = v_cache;
   p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1];
@@ -124,6 +125,7 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   p.sm_scale = sm_scale, p.dtype = DType(dtype);
   p.sinks = sinks, p.out_scale = out_scale, p.out_dtype = DType(out_dtype);
   p.custom_mask = custom_mask, p.custom_mask_bytes = custom_mask_bytes, p.logits_soft_cap = logits_soft_cap;
+  p.logits = logits, p.logits_stride = logits_stride;
   return fk::launch_batch_attention(p, nullptr);
 }
 
@@ -234,7 +236,8 @@ const char* emu_kv_scores(float* scores, const void* q, const int64_t* q_strides
                           const int64_t* k_strides, const int32_t* qo_indptr, const int32_t* kv_indptr,
                           const int32_t* kv_indices, const int32_t* last, int64_t num_pages, int64_t max_kv_len,
                           int batch, int qo_heads, int kv_heads, int head_dim, int page_size, int window_left,
-                          float sm_scale, float cap, float scale, int causal, int accumulate, int dtype) {
+                          float sm_scale, float cap, float scale, int causal, int accumulate, int dtype,
+                          const float* logits, int64_t logits_stride) {
   fk::KvScoresParams p{};
   p.scores = scores, p.q = q, p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1], p.lse = lse;
   p.k_cache = k;
@@ -244,6 +247,7 @@ const char* emu_kv_scores(float* scores, const void* q, const int64_t* q_strides
   p.head_dim = head_dim, p.page_size = page_size, p.window_left = window_left;
   p.sm_scale = sm_scale, p.logits_soft_cap = cap, p.scale = scale, p.causal = causal, p.accumulate = accumulate;
   p.dtype = DType(dtype);
+  p.logits = logits, p.logits_stride = logits_stride;
   return fk::launch_kv_scores(p, nullptr);
 }
 

@@ -155,6 +155,11 @@ struct BatchAttentionParams {
   DType dtype;                   // q and the cache: f16 or bf16
   DType out_dtype;               // f16 or bf16 (o_data_type)
   bool pdl;                      // programmatic dependent launches where the device has them (platform.h)
+  // kv_scores' epilogue: [queries, qo_heads, logits_stride] float32, or nullptr. The decode and 16-row
+  // kernels write there the logit of every key a query sees (base 2: the natural logit, after the soft
+  // cap, times log2 e), at the key's position in its sequence; the 64-row kernel writes none.
+  float* logits;
+  int64_t logits_stride;
 };
 
 // The random numbers of one sampling launch (philox.h): output row b draws from key seed, counter
@@ -345,6 +350,10 @@ struct KvScoresParams {
   float sm_scale, logits_soft_cap, scale;
   bool causal, accumulate;
   DType dtype;                   // q and k: f16 or bf16
+  // or, in place of q . k, the attention's own logits (BatchAttentionParams::logits: base 2, the soft cap
+  // applied), [nnz_q, qo_heads, logits_stride]: no read of q or K
+  const float* logits;
+  int64_t logits_stride;
 };
 
 // Selection: per request b and KV head, the kept_indptr[b + 1] - kept_indptr[b] positions of the

@@ -108,7 +108,8 @@ bool rows_aligned16(const Tensor& t) {
 void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, at::TensorList kv_indices,
                      Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale,
                      const std::optional<Tensor>& sinks, double out_scale, bool enable_pdl,
-                     const std::optional<Tensor>& custom_mask, double logits_soft_cap) {
+                     const std::optional<Tensor>& custom_mask, double logits_soft_cap,
+                     const std::optional<Tensor>& logits) {
   const char* op = "batch_attention";
   FK_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
                     as_tuple(q_in.sizes()));
@@ -174,6 +175,11 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                       op, ": custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on ", q_in.device());
   FK_CHECK_VALUE(std::isfinite(logits_soft_cap) && (logits_soft_cap == 0 || logits_soft_cap >= 1e-6), op,
                     ": logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got ", logits_soft_cap);
+  if (logits.has_value())  // the positions the kernels write are checked by the caller (kv_scores: max_kv_len)
+    FK_CHECK_VALUE(logits->scalar_type() == at::kFloat && logits->dim() == 3 && logits->size(0) == batch &&
+                       logits->size(1) == qo_heads && logits->is_contiguous() && logits->device() == q_in.device(),
+                   op, ": logits must be a contiguous float32 tensor [", batch, ", ", qo_heads, ", max_kv_len] on ",
+                   q_in.device());
   if (batch == 0) return;
 
   const c10::DeviceGuard guard(q_in.device());
@@ -215,6 +221,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   p.dtype = to_dtype(q.scalar_type());
   p.out_dtype = to_dtype(out.scalar_type());
   p.pdl = enable_pdl;
+  p.logits = logits.has_value() ? logits->data_ptr<float>() : nullptr;
+  p.logits_stride = logits.has_value() ? logits->size(2) : 0;
   check_launch(fk::launch_batch_attention(p, current_stream(q)), op);
 }
 

@@ -60,7 +60,7 @@ int64_t check_page_table(const char* op, const Tensor& kv_indptr, const Tensor& 
 void kv_scores(const Tensor& q, const Tensor& lse, const Tensor& k_cache, const Tensor& qo_indptr,
                const Tensor& kv_indptr, const Tensor& kv_indices, const Tensor& kv_last_page_len, Tensor& scores,
                int64_t max_kv_len, double sm_scale, double scale, bool causal, int64_t window_left,
-               double logits_soft_cap, bool accumulate) {
+               double logits_soft_cap, bool accumulate, const std::optional<Tensor>& logits) {
   const char* op = "kv_scores";
   check_cache_view(op, "k_cache", k_cache);
   FK_CHECK_VALUE(q.dim() == 3 && q.size(2) == k_cache.size(3), op,
@@ -85,6 +85,12 @@ void kv_scores(const Tensor& q, const Tensor& lse, const Tensor& k_cache, const 
   FK_CHECK_VALUE(std::isfinite(sm_scale) && std::isfinite(scale), op, ": sm_scale and scale must be finite");
   FK_CHECK_VALUE(std::isfinite(logits_soft_cap) && (logits_soft_cap == 0 || logits_soft_cap >= 1e-6), op,
                  ": logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got ", logits_soft_cap);
+  if (logits.has_value())
+    FK_CHECK_VALUE(logits->scalar_type() == at::kFloat && logits->dim() == 3 && logits->size(0) == q.size(0) &&
+                       logits->size(1) == qo_heads && logits->size(2) >= max_kv_len && logits->is_contiguous() &&
+                       logits->device() == q.device(),
+                   op, ": logits must be a contiguous float32 tensor [", q.size(0), ", ", qo_heads,
+                   ", >= max_kv_len (", max_kv_len, ")] on ", q.device());
   const c10::DeviceGuard guard(q.device());
   fk::KvScoresParams p{};
   p.scores = scores.data_ptr<float>();
@@ -105,6 +111,8 @@ void kv_scores(const Tensor& q, const Tensor& lse, const Tensor& k_cache, const 
   p.sm_scale = float(sm_scale), p.logits_soft_cap = float(logits_soft_cap), p.scale = float(scale);
   p.causal = causal, p.accumulate = accumulate;
   p.dtype = to_dtype(q.scalar_type());
+  p.logits = logits.has_value() ? logits->const_data_ptr<float>() : nullptr;
+  p.logits_stride = logits.has_value() ? logits->size(2) : 0;
   check_launch(fk::launch_kv_scores(p, current_stream(q)), op);
 }
 

@@ -1,3 +1,5 @@
+import math
+
 import torch
 
 from .. import _C
@@ -212,13 +214,14 @@ def final_state(v, s, sinks, out_scale):
 
 
 def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks=None, out_scale=1.0,
-                    custom_mask=None, logits_soft_cap=0.0):
+                    custom_mask=None, logits_soft_cap=0.0, logits_out=None):
     """The plan in `words` run with torch, item by item as the kernels run it: each item's state over
     its KV chunk (query i of a group sees the tokens j with first <= j - i <= last, and its custom
     mask's bits) goes straight to (out, lse), finished with the sinks and out_scale, for a query
     with one state, and to its slot of partial_s / partial_v otherwise; then each query's slots are
     merged and finished. q [batch, qo_heads, D], k_cache / v_cache [pages, page_size, kv_heads, D]
-    -> (out, lse), in the compute dtype. A page index outside the cache raises ValueError (the
+    -> (out, lse), in the compute dtype. logits_out [batch, qo_heads, L]: kv_scores' epilogue, the base-2
+    logit of each key a query sees, written by the decode and 16-row items (not the 64-row ones). A page index outside the cache raises ValueError (the
     kernels write NaN for the query instead)."""
     batch, qo_heads, head_dim = q.shape
     num_pages, page_size, kv_heads = k_cache.shape[:3]
@@ -251,6 +254,9 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
             if mask >= 0:
                 bits = unpack_mask_bits(custom_mask, mask, n_q * length).view(n_q, length)
                 hidden |= ~bits[i][:, kv_begin:kv_end]
+            if logits_out is not None and kind != 2:  # the 64-row kernel writes none (ops.h)
+                hh, rr, nn = (~hidden[None]).expand_as(logits).nonzero(as_tuple=True)
+                logits_out[t[rr], heads[hh, rr], pos[nn]] = (logits[hh, rr, nn] / math.log(2)).to(logits_out.dtype)
             weights, s = softmax_state(logits.masked_fill(hidden[None], float("-inf")))
             o = torch.einsum("hrn,nhd->hrd", weights, v)
             # a row writes only if its query sees the chunk (else it has no state here)

@@ -14,6 +14,8 @@ Per request, on dense tensors in position order (keys [kv_len, kv_heads, D], sco
 The paged functions below apply them request by request through the page tables.
 """
 
+import math
+
 import torch
 
 
@@ -27,7 +29,14 @@ def attention_probs(q, k, lse, sm_scale=None, causal=True, window_left=-1, logit
     logits = torch.einsum("nhd,lhd->nhl", q.double(), kk) * sm_scale
     if logits_soft_cap:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-    p = torch.exp(logits - lse.double()[..., None])
+    return probs_from_logits(logits, lse, causal, window_left)
+
+
+def probs_from_logits(logits, lse, causal=True, window_left=-1):
+    """Natural-log logits [n, qo_heads, kv_len] of a request's last n queries -> float64 probabilities
+    exp(logit - lse), 0 where a query does not see the key (a logit there is never read)."""
+    n, _, kv_len = logits.shape
+    p = torch.exp(logits.double() - lse.double()[..., None])
     position = torch.arange(n)[:, None] + (kv_len - n)
     key = torch.arange(kv_len)[None, :]
     hidden = torch.zeros(n, kv_len, dtype=torch.bool)
@@ -36,7 +45,7 @@ def attention_probs(q, k, lse, sm_scale=None, causal=True, window_left=-1, logit
     if window_left >= 0:
         hidden |= key < position - window_left
     hidden = hidden[:, None, :] | torch.isinf(lse)[..., None]  # a query that sees no key: no probabilities
-    return p.masked_fill(hidden, 0.0)
+    return torch.where(hidden, 0.0, p)
 
 
 def group_sum(p, kv_heads):
@@ -118,8 +127,9 @@ def _positions(pages, kv_len, page_size):
 
 
 def kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scores, sm_scale, scale, causal,
-              window_left, logits_soft_cap, accumulate):
-    """torch.ops.flashkern.kv_scores (ops.h: KvScoresParams), in place on scores."""
+              window_left, logits_soft_cap, accumulate, logits=None):
+    """torch.ops.flashkern.kv_scores (ops.h: KvScoresParams), in place on scores; from q and K, or from the
+    attention's base-2 logits [queries, qo_heads, >= kv_len] (its soft cap applied)."""
     page_size = k_cache.shape[1]
     qo = qo_indptr.tolist()
     for b, (pages, kv_len) in enumerate(_requests(kv_indptr, kv_indices, kv_last_page_len, page_size)):
@@ -127,8 +137,12 @@ def kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_le
             continue
         page, slot = _positions(pages, kv_len, page_size)
         rows = slice(qo[b], qo[b + 1])
-        total = key_scores(q[rows], k_cache[page, slot], lse[rows], scale, sm_scale=sm_scale, causal=causal,
-                           window_left=window_left, logits_soft_cap=logits_soft_cap)
+        if logits is None:
+            total = key_scores(q[rows], k_cache[page, slot], lse[rows], scale, sm_scale=sm_scale, causal=causal,
+                               window_left=window_left, logits_soft_cap=logits_soft_cap)
+        else:
+            natural = logits[rows, :, :kv_len].double() * math.log(2)
+            total = group_sum(probs_from_logits(natural, lse[rows], causal, window_left), k_cache.shape[2]) * scale
         total = total.to(scores.dtype)
         old = scores[page, :, slot]  # [kv_len, kv_heads]
         if accumulate:

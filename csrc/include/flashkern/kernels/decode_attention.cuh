@@ -92,6 +92,14 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
           for (int h = 0; h < kGroup; ++h) x[j][h] = logit(x[j][h]);
       }
       const int pos0 = item.kv_begin + it * S::kTile + sub;
+      if (p.logits != nullptr && lane < kGroup) {  // kv_scores' epilogue: lane h writes head h's logits
+        float* row = p.logits + (int64_t(t) * p.qo_heads + kv_head * kGroup + lane) * p.logits_stride;
+#pragma unroll
+        for (int j = 0; j < S::kTokensPerSubwarp; ++j)
+#pragma unroll
+          for (int h = 0; h < kGroup; ++h)
+            if (h == lane && pos0 + j * S::kSubwarps < item.kv_end) row[pos0 + j * S::kSubwarps] = x[j][h];
+      }
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) {
         float tile_max = -INFINITY;

@@ -7,7 +7,9 @@
 // two halves add in a fixed order and one thread per key writes: no atomics, the same bits every run.
 // Rows that see none of the block's keys (causal, window) are skipped whole. The final lse comes from
 // the attention run, so a probability is exact whichever way that run split the KV; the price is a
-// second read of K (and the q rows, once per key tile), no V.
+// second read of K (and the q rows, once per key tile), no V. Where few queries score (decode), the
+// attention kernels write their logits instead (BatchAttentionParams::logits: 4 bytes a query head and
+// key, against K's 2 * head_dim) and kv_scores_from_logits_kernel reads those, not q and K.
 //
 // Selection. A block per request and KV head: a radix select (8 bits a pass, a 256-bin histogram in
 // shared memory) finds the budget-th largest 32-bit key, then one ordered pass writes the positions
@@ -22,6 +24,7 @@
 // destination of the same chunk (hence the barrier) but never of an earlier one.
 #pragma once
 
+#include "flashkern/attention_state.h"
 #include "flashkern/dispatch.h"
 #include "flashkern/kernels/block_reduce.cuh"
 #include "flashkern/ops.h"
@@ -32,6 +35,7 @@ namespace fk {
 inline constexpr int kScoreKeys = 64;
 inline constexpr int kScoreThreads = 128;  // two threads a key
 inline constexpr int kScoreRows = 8;       // q rows staged at a time
+inline constexpr int kLogitThreads = 256;  // from the attention's logits: a thread a key
 inline constexpr int kSelectThreads = 256;  // one thread a histogram bin
 inline constexpr int kCompactThreads = 256;
 inline constexpr int kCompactVecs = 4;     // 16-byte vectors a thread holds between the read and the write
@@ -152,8 +156,43 @@ __global__ void __launch_bounds__(kScoreThreads) kv_scores_kernel(KvScoresParams
   }
 }
 
+// The same from the logits the attention kernels wrote (KvScoresParams::logits): a thread per key, the
+// rows that see it in turn; consecutive threads read consecutive logits of a row.
+__global__ void __launch_bounds__(kLogitThreads) kv_scores_from_logits_kernel(KvScoresParams p) {
+  pdl_wait();  // before any global memory access (platform.h: PDL)
+  const int b = blockIdx.y, kv_head = blockIdx.z, group = p.qo_heads / p.kv_heads;
+  const PagedRequest req(p.kv_indptr, p.kv_indices, p.kv_last_page_len, b, p.page_size);
+  const int64_t j = int64_t(blockIdx.x) * kLogitThreads + threadIdx.x;
+  if (j >= req.kv_len) return;
+  const int32_t q_begin = p.qo_indptr[b];
+  const int64_t n = p.qo_indptr[b + 1] - q_begin, first_pos = req.kv_len - n;  // query i sits at first_pos + i
+  // the queries that see key j: i >= j - first_pos (causal), i <= j + window_left - first_pos (window)
+  int64_t i_lo = 0, i_hi = n;
+  if (p.causal && j - first_pos > 0) i_lo = j - first_pos;
+  if (p.window_left >= 0 && j + p.window_left - first_pos + 1 < i_hi) i_hi = j + p.window_left - first_pos + 1;
+  // row (query q_begin + i, head kv_head * group + h): its lse at lse[h], its logit of key j at logit[h * stride]
+  const int64_t row0 = (q_begin + i_lo) * p.qo_heads + int64_t(kv_head) * group;
+  const float* lse = p.lse + row0;
+  const float* logit = p.logits + row0 * p.logits_stride + j;
+  float sum = 0.f;
+  for (int64_t i = i_lo; i < i_hi; ++i, lse += p.qo_heads, logit += p.qo_heads * p.logits_stride) {
+    for (int h = 0; h < group; ++h)
+      if (lse[h] != -INFINITY) sum += exp2f(logit[h * p.logits_stride] - lse[h] * kLog2e);
+  }
+  const int64_t page = req.page(j);
+  if (page < 0 || page >= p.num_pages) return;
+  float& out = p.scores[(page * p.kv_heads + kv_head) * p.page_size + req.slot(j)];
+  const float total = p.scale * sum;
+  out = p.accumulate && j < first_pos ? out + total : total;
+}
+
 inline const char* run_kv_scores(const KvScoresParams& p, gpuStream_t stream) {
   if (p.batch == 0 || p.max_kv_len == 0) return nullptr;
+  if (p.logits != nullptr) {
+    const dim3 grid(unsigned(ceil_div(p.max_kv_len, int64_t(kLogitThreads))), unsigned(p.batch), unsigned(p.kv_heads));
+    FK_LAUNCH(kv_scores_from_logits_kernel, grid, dim3(kLogitThreads), stream)(p);
+    return last_launch_error();
+  }
   return with_dtype16(p.dtype, [&](auto t) {
     using T = decltype(t);
     return with_head_dim(p.head_dim, [&](auto d) {

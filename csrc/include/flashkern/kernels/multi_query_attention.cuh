@@ -108,6 +108,11 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
             seen = seen && i < item.n_q && mask_bit(p, item.mask + i * item.length + token);
           const float x = seen ? logit(tile.s[f][e] * logit.scale) : -INFINITY;
           tile.s[f][e] = x;
+          if constexpr (!S::kWide) {  // kv_scores' epilogue (16-row tiles: decode and short queries)
+            const int r = wm * S::kWarpRows + tile.slot_row(Warp::s_slot(f, e));
+            if (p.logits != nullptr && seen && r < rows)
+              p.logits[(int64_t(query_of(r)) * p.qo_heads + head_of(r)) * p.logits_stride + token] = x;
+          }
           tile_max[Warp::s_slot(f, e)] = fmaxf(tile_max[Warp::s_slot(f, e)], x);
         }
       float alpha[kSlots];
