@@ -281,9 +281,13 @@ def test_bad_input(device):
         select_keys(scores, *args, 0)
     kept, kept_indptr = select_keys(scores, *args, 100)  # past the length: every key
     assert kept.cpu()[:, 0].tolist() == list(range(20))
-    twice = torch.cat([indices, indices[:1]])
+    twice = (i32([0, 6]).to(device), torch.cat([indices, indices[:1]]).to(device), last.to(device))
+    kept_twice, kept_twice_indptr = select_keys(scores, *twice, 5)  # reading a page twice is fine
+    with pytest.raises(ValueError, match="appears twice"):  # writing it is not
+        kv_compress.compact(cache, *twice, kept_twice, kept_twice_indptr)
     with pytest.raises(ValueError, match="appears twice"):
-        select_keys(scores, i32([0, 6]).to(device), twice.to(device), last.to(device), 5)
+        key_scores(rand((1, 1, 64), torch.float16, device), torch.zeros(1, 1, device=device), cache,
+                   i32([0, 1]).to(device), *twice)
     with pytest.raises(ValueError, match="scores must be a contiguous float32"):
         kv_compress.compact(cache, *args, kept, kept_indptr, scores=scores.double())
     with pytest.raises(ValueError, match="kv_indices must name pages"):
@@ -419,3 +423,52 @@ def test_attention_logits_argument_is_checked(device):
                 torch.zeros(2, 4, 18, device=device)[:, :, ::2], torch.zeros(2, 3, 9, device=device)):
         with pytest.raises(ValueError, match="logits must be a contiguous float32 tensor"):
             _run("kv_scores", q.device, torch.float16, *args, bad)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_compaction_through_the_prefix_cache(device, layout):
+    """Requests sharing prefix pages compress into fresh pages of their own: no shared page is written, the
+    other requests and later ones still share them, and the cache's page lists and pool stay whole."""
+    from flashkern.prefix_cache import PrefixCache
+
+    page_size, heads, pool = 4, 2, 40
+    cache = PrefixCache(pool, page_size)
+    shape = (pool, 2, page_size, heads, 64) if layout == "NHD" else (pool, 2, heads, page_size, 64)
+    kv = rand(shape, torch.float16, device, seed=8)
+    a = cache.start(list(range(1, 23)))  # 22 tokens
+    cache.publish(a)
+    b = cache.start(list(range(1, 13)) + [99] * 9)  # shares a's first 3 pages
+    other = cache.start(list(range(1, 13)) + [77] * 3)  # shares them too, not compressed
+    assert len(b.path) == 3
+    plan = cache.plan_decode([a, b])
+    indptr, indices, last = (x.to(device) for x in plan)
+    scores = torch.rand(pool, heads, page_size, generator=torch.Generator().manual_seed(3)).to(device)
+    kept, kept_indptr = select_keys(scores, indptr, indices, last, [7, 5], window=2)
+    before = [dense(kv, layout, *plan, r) for r in range(2)]
+    before_scores = [paged_scores(scores, *plan, r) for r in range(2)]
+    shared = sorted({n.page for n in cache._nodes()})
+    kv_shared = kv[shared].clone()
+
+    new = cache.compact([a, b], kv, kept, kept_indptr, layout, scores)
+
+    assert torch.equal(kv[shared], kv_shared)  # shared pages are never written
+    assert not set(new.indices.tolist()) & set(shared)
+    for r, request in enumerate((a, b)):
+        rows = kept.cpu()[kept_indptr[r] : kept_indptr[r + 1]].long()
+        k_after, v_after = dense(kv, layout, *new, r)
+        heads_ix = torch.arange(heads)[None, :]
+        assert torch.equal(k_after, before[r][0][rows, heads_ix]) and torch.equal(v_after, before[r][1][rows, heads_ix])
+        assert torch.equal(paged_scores(scores, *new, r), before_scores[r][rows, heads_ix])
+        assert request.path == [] and request.kv_tokens == rows.shape[0]
+    assert (len(a.tokens), len(b.tokens)) == (22, 21)  # positions for the next token's RoPE stay
+    assert len(other.path) == 3 and cache.match(list(range(1, 13)))[1] == [n.page for n in other.path]
+
+    cache.append(a, 6)  # 13 tokens of KV: 4 pages
+    assert len(a.pages) == 4 and cache.plan_decode([a]).last_page_len.tolist() == [1]
+    with pytest.raises(ValueError, match="compressed"):
+        cache.publish(a)
+    for request in (a, b, other):
+        cache.finish(request)
+    assert cache.free_pages + sum(1 for _ in cache._nodes()) == pool  # every page back in the pool or the tree
+    with pytest.raises(ValueError, match="kept_indptr"):
+        cache.compact([cache.start([1, 2, 3])], kv, kept, kept_indptr, layout)

@@ -20,9 +20,10 @@ logical length for the next token's position.
   table serves all heads.
 - :func:`compact`: the kept keys, values (and scores) of each request move, per KV head its own
   positions, to positions 0, 1, ... of the request's own first pages (in place) or of pages the caller
-  gives (``out_indptr``/``out_indices``, pages no request reads: fresh ones, e.g. for a request whose
-  prefix pages are shared through :mod:`flashkern.prefix_cache`). Returns the new page table and the
-  pages no longer used.
+  gives (``out_indptr``/``out_indices``, pages no request reads: fresh ones; then requests may share
+  the pages they read, as prefixes do). Returns the new page table and the pages no longer used.
+  :meth:`flashkern.prefix_cache.PrefixCache.compact` does this for the cache's running requests and
+  updates their page lists. Scores are per page, so a page shared by requests has one score per key.
 
 Policies (:class:`SnapKV`, :class:`H2O`, :class:`StreamingLLM`) combine them with kvpress's budgets.
 The decode and prefill wrappers' ``run(..., kv_scores=...)`` accumulate H2O scores in the same call.
@@ -63,9 +64,10 @@ class PageTable(NamedTuple):
 # ---- host views of a page table ----
 
 
-def _host_table(op, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages):
+def _host_table(op, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages, writes=True):
     """Host int64 copies and each request's kv_len, with the checks the kernels cannot make: a CSR indptr,
-    pages in [0, num_pages), last-page lengths in [1, page_size] for a request with pages, no page twice."""
+    pages in [0, num_pages), last-page lengths in [1, page_size] for a request with pages, and (writes: the
+    op writes the pages or their scores) no page twice."""
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
         _validate.check_tensor(op, name, t)
         if t.dtype != torch.int32 or t.dim() != 1:
@@ -82,7 +84,7 @@ def _host_table(op, kv_indptr, kv_indices, kv_last_page_len, page_size, num_page
     used = indices[: int(indptr[-1])] if batch else indices[:0]
     if used.numel() and (used.min() < 0 or used.max() >= num_pages):
         raise ValueError(f"{op}: kv_indices must name pages in [0, {num_pages}), got {used.min()} .. {used.max()}")
-    if used.numel() != used.unique().numel():
+    if writes and used.numel() != used.unique().numel():
         values, counts = used.unique(return_counts=True)
         raise ValueError(f"{op}: page {int(values[counts > 1][0])} appears twice in the page tables: compression "
                          f"writes each request's own pages (a page shared between requests, or listed twice, "
@@ -161,7 +163,8 @@ def select_keys(scores, kv_indptr, kv_indices, kv_last_page_len, budget, window=
     _validate.check_tensor(op, "scores", scores)
     if scores.dim() != 3:
         raise ValueError(f"{op}: scores must be [num_pages, num_kv_heads, page_size], got shape {tuple(scores.shape)}")
-    _, _, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, scores.shape[2], scores.shape[0])
+    _, _, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, scores.shape[2], scores.shape[0],
+                               writes=False)
     for name, value in (("window", window), ("keep_first", keep_first), ("kernel_size", kernel_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{op}: {name} must be an int, got {value!r}")
@@ -182,7 +185,8 @@ def compact(paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kept, kept_
     check_kv_layout(op, kv_layout)
     k_cache, v_cache = kv_cache_views(op, paged_kv_cache, kv_layout)
     num_pages, page_size = k_cache.shape[:2]
-    indptr, indices, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
+    indptr, indices, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages,
+                                          writes=out_indices is None)
     _validate.check_index(op, "kept_indptr", kept_indptr, k_cache, kv_len.shape[0] + 1)
     counts = kept_indptr.cpu().long().diff()
     if (counts < 0).any() or (counts > kv_len).any():
@@ -205,14 +209,14 @@ def compact(paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kept, kept_
         if (given < need).any():
             raise ValueError(f"{op}: out_indices must give each request at least ceil(kept / page_size) pages: "
                              f"need {need.tolist()}, got {given.tolist()}")
-        used = o_idx[int(o_ptr[0]) : int(o_ptr[-1])]
+        used = o_idx[int(o_ptr[0]) : int(o_ptr[-1])]  # (kv_indices may repeat a page: shared prefixes, read only)
         if used.numel() and (used.min() < 0 or used.max() >= num_pages):
             raise ValueError(f"{op}: out_indices must name pages in [0, {num_pages})")
         if used.numel() != used.unique().numel() or torch.isin(used, indices[: int(indptr[-1])]).any():
             raise ValueError(f"{op}: out_indices must be distinct pages that no request's page table holds (fresh "
                              f"pages); to compact in place, leave out_indptr and out_indices out")
         new_pages = [o_idx[o_ptr[b] : o_ptr[b] + need[b]] for b in range(len(own_pages))]
-        freed = indices[: int(indptr[-1])].tolist()
+        freed = indices[: int(indptr[-1])].unique().tolist()
         out_indptr = _indptr(need, k_cache.device)
         out_indices = torch.cat(new_pages or [indices[:0]]).to(torch.int32).to(k_cache.device)
     if scores is not None:
@@ -315,7 +319,8 @@ class SnapKV:
         op = "SnapKV.compress"
         scores = self.scores(q, lse, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout,
                              sm_scale, logits_soft_cap)
-        _, _, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, scores.shape[2], scores.shape[0])
+        _, _, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, scores.shape[2], scores.shape[0],
+                               writes=False)
         budget = torch.where(kv_len <= self.window, kv_len, _budget_of(op, self.ratio, self.budget, kv_len))
         kept, kept_indptr = select_keys(scores, kv_indptr, kv_indices, kv_last_page_len, budget, self.window,
                                         self.keep_first, self.kernel_size)
@@ -360,7 +365,8 @@ class H2O:
 
     def compress(self, scores, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout="NHD"):
         op = "H2O.compress"
-        _, _, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, scores.shape[2], scores.shape[0])
+        _, _, kv_len = _host_table(op, kv_indptr, kv_indices, kv_last_page_len, scores.shape[2], scores.shape[0],
+                               writes=False)
         budget = _budget_of(op, self.ratio, None if self.ratio is not None else self.heavy + self.recent, kv_len)
         kept, kept_indptr = select_keys(scores, kv_indptr, kv_indices, kv_last_page_len, budget, self.recent,
                                         self.keep_first)

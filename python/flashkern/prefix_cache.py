@@ -20,6 +20,10 @@ The cache manages page indices only; the KV data lives in the caller's paged cac
 - publish and finish cache the KV in the request's pages: every token's KV must be written by then.
 - Unreferenced leaves are evicted least recently used first when the pool runs short; running out
   with every page referenced raises RuntimeError.
+- compact(requests, ...): KV-cache compression (flashkern.kv_compress) of running requests. Their kept
+  keys and values move into fresh pages that become their own; shared pages are never written. A
+  compressed request leaves the tree (its KV no longer matches its tokens): it publishes nothing, and
+  finish frees its pages.
 
 Planning is C++ (csrc/include/flashkern/prefix_plan.h): the cache keeps prev[page], the page before
 each page in its holder's page table, so a request is its last page and its token count, kept in
@@ -54,6 +58,7 @@ class Request:
     path: List[_Node] = field(default_factory=list)
     own: List[int] = field(default_factory=list)
     cached_tokens: int = 0  # tokens whose KV was in the cache when the request started (no prefill needed)
+    evicted: int = 0  # tokens whose KV compression removed (compact): its KV holds kv_tokens of its tokens
     finished: bool = False
     _cache: "PrefixCache" = field(default=None, repr=False)
     _slot: int = field(default=-1, repr=False)  # its entries in the cache's arrays for the planner
@@ -61,6 +66,12 @@ class Request:
     @property
     def pages(self):
         return [n.page for n in self.path] + self.own
+
+    @property
+    def kv_tokens(self):
+        """Tokens in its pages: all of its tokens, less those compression removed. The next token's
+        position (RoPE) stays len(tokens)."""
+        return len(self.tokens) - self.evicted
 
     @property
     def last_page(self):
@@ -253,18 +264,20 @@ class PrefixCache:
         if isinstance(n, int) and not isinstance(n, bool) and n < 0:
             raise ValueError(f"PrefixCache.append: n must be a non-negative int or token ids, got {n}")
         new = _token_list("append", n) if not isinstance(n, int) else [-1] * n
-        total = len(request.tokens) + len(new)
-        needed = -(-total // self.page_size) - len(request.pages)
+        needed = -(-(request.kv_tokens + len(new)) // self.page_size) - len(request.pages)
         if needed > 0:
             request.own += self.allocate(needed)
             self._link(request)
         request.tokens += new
-        self._slot_tokens[request._slot] = len(request.tokens)
+        self._slot_tokens[request._slot] = request.kv_tokens
 
     def publish(self, request):
         """Cache the request's full pages (their tokens must be final): they become tree nodes, shared by
         later requests; where the same tokens are cached already, the request switches to that page."""
         self._check_running("publish", request)
+        if request.evicted:
+            raise ValueError("PrefixCache.publish: the request was compressed (compact): its KV is no longer that "
+                             "of its tokens, so it cannot be shared")
         if any(t < 0 for t in request.tokens):
             raise ValueError("PrefixCache.publish: the request has placeholder tokens (-1); set them first")
         node = request.path[-1] if request.path else self.root
@@ -285,8 +298,14 @@ class PrefixCache:
         self._touch(node)
 
     def finish(self, request):
-        """Publish the request's full pages, release its path and cache its partial last page as a leaf."""
-        self.publish(request)
+        """Publish the request's full pages, release its path and cache its partial last page as a leaf (a
+        compressed request: free its pages)."""
+        if request.evicted:
+            self._check_running("finish", request)
+            self._free.extend(reversed(request.own))
+            request.own = []
+        else:
+            self.publish(request)
         for n in request.path:
             n.refs -= 1
         if request.own:  # one partial page: a leaf, unless the same tokens are cached there already
@@ -301,6 +320,40 @@ class PrefixCache:
         self._slot_tokens[request._slot] = -1
         self._free_slots.append(request._slot)
         request._slot = -1
+
+    def compact(self, requests, paged_kv_cache, kept, kept_indptr, kv_layout="NHD", scores=None):
+        """KV-cache compression of running requests (:func:`flashkern.kv_compress.compact`): kept and
+        kept_indptr from :func:`~flashkern.kv_compress.select_keys` over ``plan_decode(requests)``'s page
+        table (requests in that order; scores, if given, move with the keys). Each request's kept keys and
+        values move into fresh pages, which become its own: the pages it shares are never written and stay
+        cached for the other requests; its path is released, its old own pages freed. Returns the batch's
+        new DecodePlan."""
+        from .kv_compress import compact
+
+        plan = self.plan_decode(requests)  # checks: each running in this cache, once
+        if not isinstance(kept_indptr, torch.Tensor) or kept_indptr.shape != (len(requests) + 1,):
+            raise ValueError(f"PrefixCache.compact: kept_indptr must be a tensor of {len(requests) + 1} entries (one "
+                             "more than the requests)")
+        counts = kept_indptr.cpu().long().diff()
+        need = (counts.clamp_min(0) + self.page_size - 1) // self.page_size
+        pages = self.allocate(int(need.sum()))  # evicts only unreferenced leaves: none of these requests' pages
+        device = kept_indptr.device
+        out_indptr = torch.cat([need.new_zeros(1), need.cumsum(0)])
+        try:
+            compact(paged_kv_cache, *(x.to(device) for x in plan), kept, kept_indptr, kv_layout, scores,
+                    out_indptr.to(torch.int32).to(device), torch.tensor(pages, dtype=torch.int32, device=device))
+        except BaseException:  # a bad argument: nothing moved, nothing held
+            self._free.extend(reversed(pages))
+            raise
+        for b, request in enumerate(requests):  # the cache learns the new page lists
+            for n in request.path:
+                n.refs -= 1
+            self._free.extend(reversed(request.own))  # after the copy on the stream: a later writer is ordered after it
+            request.evicted += request.kv_tokens - int(counts[b])
+            request.path, request.own = [], pages[int(out_indptr[b]) : int(out_indptr[b + 1])]
+            self._slot_tokens[request._slot] = request.kv_tokens
+            self._link(request)
+        return self.plan_decode(requests)
 
     def _add_node(self, parent, key, page):
         node = parent.children[key] = _Node(key, page, parent)
