@@ -1121,6 +1121,12 @@ def _kept(length):
     return max(1, int(length * KV_KEEP))
 
 
+def decode_compressed_bytes(batch, shape, dtype, provider):
+    """Decode's bytes over the kept keys, or over all of them (the uncompressed baseline)."""
+    length, group = shape
+    return decode_bytes(batch, (length if provider.name == DECODE_UNCOMPRESSED else _kept(length), group), dtype)
+
+
 def kv_select_bytes(batch, shape, dtype):
     """Every score read once, the kept positions (int32 a KV head) written."""
     length, _ = shape
@@ -1152,6 +1158,11 @@ class KvCompressCase(PagedCase):
         need = -(-_kept(length) // PAGE_SIZE)
         self.out_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * need
         self.out_indices = pages[:, :need].flatten().to(torch.int32)
+        # decode over the compacted table (the kept keys, whatever the bytes there: the time is what matters)
+        kept_last = torch.full((batch,), _kept(length) - (need - 1) * PAGE_SIZE, dtype=torch.int32)
+        self.compressed = _flashkern().BatchDecodeWithPagedKVCacheWrapper(_workspace())
+        self.compressed.plan(self.out_indptr.cpu(), self.out_indices.cpu(), kept_last, *self.heads, HEAD_DIM,
+                             PAGE_SIZE, q_data_type=dtype)
         # dense copies for torch: scores [batch, kv_heads, length], K and V [batch, length, kv_heads, D]
         self.dense_scores = self.scores[pages].permute(0, 2, 1, 3).flatten(2)[:, :, :length].contiguous()
         self.dense_k = self.cache[pages, 0].flatten(1, 2)[:, :length].contiguous()
@@ -1200,6 +1211,11 @@ DECODE_NO_SCORES = "flashkern (decode only)"
 DECODE_SCORES = [
     Provider("flashkern", _decode_with_scores, requires="flashkern"),
     Provider(DECODE_NO_SCORES, lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+]
+DECODE_UNCOMPRESSED = "flashkern (uncompressed)"
+DECODE_COMPRESSED = [
+    Provider("flashkern", lambda case: (lambda: case.compressed.run(case.q, case.cache)), requires="flashkern"),
+    Provider(DECODE_UNCOMPRESSED, lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
 ]
 KV_SELECT = [Provider("flashkern", _flashkern_select, requires="flashkern"), Provider("torch", _torch_select)]
 KV_COMPACT = [Provider("flashkern", _flashkern_compact, requires="flashkern"), Provider("torch", _torch_compact)]

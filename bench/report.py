@@ -27,7 +27,8 @@ def load(paths):
 
 
 # The provider each op's rows are compared with ("speedup" column); torch unless named here.
-BASELINE = {"cascade": "flashkern (no cascade)", "decode_kv_scores": "flashkern (decode only)", "prefix_cache_decode": "flashkern (plan_decode)",
+BASELINE = {"cascade": "flashkern (no cascade)", "decode_kv_scores": "flashkern (decode only)",
+            "decode_compressed": "flashkern (uncompressed)", "prefix_cache_decode": "flashkern (plan_decode)",
             "prefix_cache_plan": "plan_decode"}
 # Dense fp16/bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), for
 # ops that report FLOPs (prefill attention).

@@ -20,7 +20,7 @@ OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "sil
        "top_k_sampling_from_probs", "top_p_sampling_from_probs", "top_k_top_p_sampling_from_probs",
        "sampling_from_probs", "min_p_sampling_from_probs", "top_k_renorm_probs", "top_p_renorm_probs",
        "top_k_mask_logits", "chain_speculative_sampling", "prefix_cache_decode", "adamw_step", "softmax",
-       "decode_kv_scores", "kv_select", "kv_compact"}
+       "decode_kv_scores", "kv_select", "kv_compact", "decode_compressed"}
 HOST_OPS = {"prefix_cache_plan": {"plan_cascade", "plan_decode"}}  # host code: µs per call, no bytes
 
 

@@ -875,10 +875,12 @@ def kv_case(lengths, kv_heads, head_dim, page_size, dtype, seed=0):
 
 
 def run_kv_scores(lib, scores, q, lse, k, qo_indptr, indptr, indices, last, causal=True, window_left=-1, cap=0.0,
-                  scale=1.0, accumulate=False, logits=None):
+                  scale=1.0, accumulate=False, logits=None, max_kv_len=None):
+    """max_kv_len (sizes the grid): the longest request's by default; shorter, a block loops over key tiles."""
     lengths = [(int(indptr[b + 1] - indptr[b]) - 1) * k.shape[1] + int(last[b]) for b in range(len(last))]
     ok(lib.emu_kv_scores(ptr(scores), ptr(q), i64s(*q.stride()[:2]), ptr(lse), ptr(k), i64s(*k.stride()[:3]),
-                         ptr(qo_indptr), ptr(indptr), ptr(indices), ptr(last), k.shape[0], max(lengths),
+                         ptr(qo_indptr), ptr(indptr), ptr(indices), ptr(last), k.shape[0],
+                         max(lengths) if max_kv_len is None else max_kv_len,
                          len(lengths), q.shape[1], k.shape[2], q.shape[2], k.shape[1], window_left,
                          ctypes.c_float(q.shape[2] ** -0.5), ctypes.c_float(cap), ctypes.c_float(scale), int(causal),
                          int(accumulate), DTYPE[q.dtype], ptr(logits), 0 if logits is None else logits.shape[2]))
@@ -889,7 +891,8 @@ def run_kv_scores(lib, scores, q, lse, k, qo_indptr, indptr, indices, last, caus
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kv_scores_kernel(attention_lib, group, head_dim, page_size, qo_lens, dtype):
     """Decode (one query), windows (several 8-row chunks), prefill-long rows (a query per position, row
-    skipping at the causal diagonal), key tiles with tails, against float64; accumulate on a second call."""
+    skipping at the causal diagonal), key tiles with tails, against float64; accumulate on a second call,
+    with a grid of one block a request and head (each loops over the key tiles, as under CUDA graphs)."""
     lengths, kv_heads = [150, 64, 70], 2
     k, v, indptr, indices, last = kv_case(lengths, kv_heads, head_dim, page_size, dtype)
     q = rand((sum(qo_lens), kv_heads * group, head_dim), dtype, "cpu", seed=7)
@@ -910,7 +913,8 @@ def test_kv_scores_kernel(attention_lib, group, head_dim, page_size, qo_lens, dt
     owned = ~expected.isnan()
     assert torch.equal(scores.isnan(), ~owned)  # every owned slot written, no other
     torch.testing.assert_close(scores[owned].double(), expected[owned], atol=1e-6, rtol=1e-5)
-    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, scale=0.5, accumulate=True)
+    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, scale=0.5, accumulate=True,
+                  max_kv_len=1)
     ref.kv_compress.kv_scores(q.double(), lse.double(), k.double(), qo_indptr, indptr, indices, last, expected,
                               head_dim**-0.5, 0.5, True, -1, 0.0, True)
     torch.testing.assert_close(scores[owned].double(), expected[owned], atol=1e-6, rtol=1e-5)
@@ -924,7 +928,8 @@ def test_kv_scores_kernel_window_and_soft_cap(attention_lib):
     lse = rand((40, 2), torch.float32, "cpu", seed=5).abs() + 3  # any lse: the kernel trusts it
     lse[3] = float("-inf")  # a query that saw no key
     scores = torch.full((k.shape[0], kv_heads, 16), float("nan"))
-    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, window_left=11, cap=3.0)
+    run_kv_scores(attention_lib, scores, q, lse, k, qo_indptr, indptr, indices, last, window_left=11, cap=3.0,
+                  max_kv_len=70)  # two blocks for 200 keys: tiles the window leaves without a query between others
     expected = torch.full_like(scores, float("nan"), dtype=torch.float64)
     ref.kv_compress.kv_scores(q.double(), lse.double(), k.double(), qo_indptr, indptr, indices, last, expected,
                               head_dim**-0.5, 1.0, True, 11, 3.0, False)

@@ -145,8 +145,8 @@ MUTANTS = {
     # a K tile staged through store16, a global store (st.global on CUDA): a GPU faults on the shared address
     "global_store_to_shared_memory": (
         "include/flashkern/kernels/kv_compress.cuh",
-        "    k_tile[key * kPitch + c] = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);",
-        "    store16(&k_tile[key * kPitch + c], make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]));",
+        "      k_tile[tile_key * kPitch + c] = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);",
+        "      store16(&k_tile[tile_key * kPitch + c], make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]));",
         None, "test_kv_scores_kernel and cuda and float16-4-128", r"store16 \(a global store",
     ),
     "no_shared_memory_opt_in": (

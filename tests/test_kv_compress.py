@@ -472,3 +472,62 @@ def test_compaction_through_the_prefix_cache(device, layout):
     assert cache.free_pages + sum(1 for _ in cache._nodes()) == pool  # every page back in the pool or the tree
     with pytest.raises(ValueError, match="kept_indptr"):
         cache.compact([cache.start([1, 2, 3])], kv, kept, kept_indptr, layout)
+
+
+def test_score_grid_need_not_cover_the_longest_request(device):
+    """max_kv_len only sizes the score kernel's grid: a block loops over the key tiles of a longer request
+    (what CUDA graphs need), with the same bits as a grid of a block a tile."""
+    cache, indptr, indices, last, qo_indptr, q, lse, _ = setup(device, [300, 45], [3, 2], 2, 4)
+    args = (q, lse, cache[:, 0], qo_indptr.to(device), indptr.to(device), indices.to(device), last.to(device))
+    scores = []
+    for max_kv_len in (300, 64, 1):
+        s = torch.full((cache.shape[0], 2, 16), float("nan"), device=device)
+        kv_compress._run("kv_scores", q.device, cache.dtype, *args, s, max_kv_len, 64**-0.5, 1.0, True, -1, 0.0, False)
+        scores.append(paged_scores(s, indptr, indices, last, 0))
+    assert torch.equal(scores[0], scores[1]) and torch.equal(scores[0], scores[2])
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_kv_scores_with_cuda_graph_buffers(device, kind):
+    """use_cuda_graph=True: run(kv_scores=) reads the fixed page-table buffers with a grid that does not follow
+    the plan (the second pass, no logits), so a replay after plan() scores the new tables; such a wrapper's
+    plans keep the batch and never repeat a page."""
+    from flashkern import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+
+    heads, group, d, page_size = 2, 4, 64, 16
+    q_lens = [1, 1] if kind == "decode" else [3, 2]
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    bufs = [torch.empty(n, dtype=torch.int32, device=device) for n in (3, 64, 2, 3)]
+    if kind == "decode":
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+                                                     paged_kv_indices_buffer=bufs[1],
+                                                     paged_kv_last_page_len_buffer=bufs[2])
+    else:
+        wrapper = BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs[3],
+                                                      paged_kv_indptr_buf=bufs[0], paged_kv_indices_buf=bufs[1],
+                                                      paged_kv_last_page_len_buf=bufs[2])
+    lengths = [200, 37, 90, 260]
+    cache, indptr, indices, last, qo_indptr, q, lse, probs = setup(device, lengths, q_lens * 2, heads, group)
+    for first in (0, 2):  # a plan, then a replan with other lengths and pages: what a replay would score
+        pair = [first, first + 1]
+        p_indptr = indptr[first : first + 3] - indptr[first]
+        p_indices, p_last = indices[indptr[first] : indptr[first + 2]], last[first : first + 2]
+        rows = slice(int(qo_indptr[first]), int(qo_indptr[first + 2]))
+        if kind == "decode":
+            wrapper.plan(p_indptr, p_indices, p_last, heads * group, heads, d, page_size, q_data_type=torch.float16)
+        else:
+            wrapper.plan(qo_indptr[first : first + 3] - qo_indptr[first], p_indptr, p_indices, p_last, heads * group,
+                         heads, d, page_size, causal=True, q_data_type=torch.float16)
+        scores = torch.zeros(cache.shape[0], heads, page_size, device=device)
+        _, got_lse = wrapper.run(q[rows], cache, return_lse=True, kv_scores=scores)
+        assert_close(got_lse, lse[rows], torch.float16)
+        for i, b in enumerate(pair):
+            expected = probs[b].view(q_lens[i], heads, group, lengths[b]).sum((0, 2)).t()
+            assert_close(paged_scores(scores, p_indptr, p_indices, p_last, i), expected, torch.float32)
+    twice = (i32([0, 1, 2]), i32([5, 5]), i32([16, 16]))
+    with pytest.raises(ValueError, match="repeat a page"):
+        if kind == "decode":
+            wrapper.plan(*twice, heads * group, heads, d, page_size, q_data_type=torch.float16)
+        else:
+            wrapper.plan(i32([0, 1, 2]), *twice, heads * group, heads, d, page_size, causal=True,
+                         q_data_type=torch.float16)

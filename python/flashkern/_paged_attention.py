@@ -244,6 +244,7 @@ class PagedAttention:
         self._use_cuda_graph = bool(use_cuda_graph)
         self._plan_info = None
         self._num_pages = None  # the cache size run() last saw: graph replays keep using that cache
+        self._graph_scores = None  # under CUDA graphs, once a run had kv_scores: (batch, qo tensor it reads)
         self._cta_budget = self.cta_budget(self._device)
         self._min_chunk = MIN_CHUNK
 
@@ -277,7 +278,8 @@ class PagedAttention:
 
     def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
               q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None, o_dtype=None, causal=False,
-              window_left=-1, logits_soft_cap=None, custom_mask=None, identity=False, dry_run=False):
+              window_left=-1, logits_soft_cap=None, custom_mask=None, identity=False, dry_run=False,
+              graph_tables=None):
         """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
         shape-checked; device_indices: each level's kv_indices where the kernels will read them;
         batch: the number of queries. The last level's groups may be causal (each group's queries
@@ -285,7 +287,8 @@ class PagedAttention:
         (window_left >= 0) or custom masks (custom_mask: the packed bits on the device, checked by
         the caller); identity: its kv_indices is the identity (ragged KV, a page per token; not
         read). Checks the rest, plans, and writes the plan into the workspace; dry_run: returns
-        the workspace bytes the plan needs (at its preferred split) instead."""
+        the workspace bytes the plan needs (at its preferred split) instead. graph_tables: under CUDA graphs,
+        the fixed buffers the plan filled, (qo_indptr or None, kv_indptr, kv_last_page_len), for kv_scores."""
         check_head_dim(op, head_dim)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive_int(op, name, value)
@@ -307,6 +310,12 @@ class PagedAttention:
                 max_page = max(max_page, hi)
         if self._use_cuda_graph and self._num_pages is not None and max_page >= self._num_pages:
             raise ValueError(f"{op}: page index {max_page} is outside the {self._num_pages}-page cache the graph runs on")
+        if self._graph_scores is not None and not dry_run:  # a captured kv_scores replays on this plan's tables
+            kv_indptr, indices = levels[-1][1], levels[-1][2]
+            if len(levels) != 1 or kv_indptr.shape[0] - 1 != self._graph_scores[0] or custom_mask is not None:
+                raise ValueError(f"{op}: a CUDA graph of this wrapper scores keys (kv_scores): its plans must keep "
+                                 f"one level of {self._graph_scores[0]} requests without a custom mask")
+            check_distinct_pages(op, kv_indptr, indices)
 
         layout = _C.workspace_layout(self._workspace.numel(), batch, num_qo_heads, head_dim)
         int_words, item_capacity, slot_capacity = layout[:3]
@@ -342,8 +351,8 @@ class PagedAttention:
             "window_left": window_left, "causal": causal,
             # one paged level, no custom mask: what kv_scores (H2O's running scores) can follow; the host
             # page table, and its device copies once a run asks for them
-            "score_tables": (levels[0], device_indices[0]) if len(levels) == 1 and not identity and custom_mask is None
-            else None,
+            "score_tables": (levels[0], device_indices[0], graph_tables)
+            if len(levels) == 1 and not identity and custom_mask is None else None,
             "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk, "words": words,
         }
 
@@ -420,39 +429,59 @@ class PagedAttention:
     def _scores_from_logits(self, k_cache, max_kv_len):
         """Whether kv_scores reads the attention kernels' logits (their epilogue) rather than q and K again:
         when no 64-row tile runs (they write none) and the logits take no more bytes than K (decode: 4 bytes
-        a query head and key against 2 * head_dim a KV head and key)."""
+        a query head and key against 2 * head_dim a KV head and key); never under CUDA graphs (the logits
+        follow the longest request)."""
         info = self._plan_info
         kv_tokens = int(info["score_tables"][0][1][-1]) * info["page_size"]  # an upper bound: whole pages
         logit_bytes = 4 * info["batch"] * info["num_qo_heads"] * max_kv_len
-        return info["grid"][2] == 0 and logit_bytes <= kv_tokens * info["num_kv_heads"] * info["head_dim"] * \
-            k_cache.element_size()
+        return not self._use_cuda_graph and info["grid"][2] == 0 and \
+            logit_bytes <= kv_tokens * info["num_kv_heads"] * info["head_dim"] * k_cache.element_size()
 
     def _score_tables(self, op, scores):
         """kv_scores' page tables on the device (the step's own keys start from 0, the earlier ones add):
-        (qo_indptr, kv_indptr, kv_indices, kv_last_page_len, max_kv_len), made once a plan."""
+        (qo_indptr, kv_indptr, kv_indices, kv_last_page_len, max_kv_len), made once a plan. Under CUDA
+        graphs: the fixed buffers, and max_kv_len their capacity (the score kernel loops over a request's
+        keys, so its grid does not follow the plan)."""
         info = self._plan_info
         if info["score_tables"] is None:
             raise ValueError(f"{op}: kv_scores needs a paged plan of one level without a custom mask")
-        if self._use_cuda_graph:
-            raise ValueError(f"{op}: kv_scores is not supported with use_cuda_graph=True (the score kernel's grid "
-                             f"follows the longest request)")
         if not isinstance(scores, torch.Tensor):
             raise TypeError(f"{op}: kv_scores must be a torch.Tensor, got {type(scores).__name__}")
         tables = info.get("score_device")
         if tables is None:
-            (qo, kv_indptr, indices, last), device_indices = info["score_tables"]
+            (qo, kv_indptr, indices, last), device_indices, graph_tables = info["score_tables"]
             batch = kv_indptr.shape[0] - 1
-            used = indices[: int(kv_indptr[-1])] if batch else indices[:0]
-            if used.numel() != used.unique().numel():
-                raise ValueError(f"{op}: kv_scores needs each page in one request's table once (the scores are per "
-                                 f"page); this plan's page tables repeat a page")
-            pages = kv_indptr[1:] - kv_indptr[:-1]
-            kv_len = torch.where(pages > 0, (pages - 1) * info["page_size"] + last, 0)
+            check_distinct_pages(op, kv_indptr, indices)
             qo = torch.arange(batch + 1, dtype=torch.int32) * (info["batch"] // max(batch, 1)) if qo is None else qo
             device = self._device
-            tables = info["score_device"] = (qo.to(device), kv_indptr.to(device), device_indices, last.to(device),
-                                             int(kv_len.max()) if batch else 0)
+            if self._use_cuda_graph:
+                qo_buf, kv_indptr_buf, last_buf = graph_tables
+                if kv_indptr_buf.shape[0] != batch + 1 or last_buf.shape[0] != batch or \
+                        qo_buf is not None and qo_buf.shape[0] != batch + 1:
+                    raise ValueError(f"{op}: kv_scores under CUDA graphs needs page-table buffers of exactly the "
+                                     f"plan's {batch} requests (indptr buffers of {batch + 1} entries)")
+                if qo_buf is None:  # decode: one tensor, as fixed as its batch and queries per request
+                    qo_buf = qo.to(device) if self._graph_scores is None else self._graph_scores[1]
+                    if not torch.equal(qo_buf.cpu(), qo):
+                        raise ValueError(f"{op}: under CUDA graphs the queries per request are fixed")
+                self._graph_scores = (batch, qo_buf)
+                capacity = min(device_indices.shape[0] * info["page_size"], MAX_KV_LENGTH)
+                tables = (qo_buf, kv_indptr_buf, device_indices, last_buf, capacity)
+            else:
+                pages = kv_indptr[1:] - kv_indptr[:-1]
+                kv_len = torch.where(pages > 0, (pages - 1) * info["page_size"] + last, 0)
+                tables = (qo.to(device), kv_indptr.to(device), device_indices, last.to(device),
+                          int(kv_len.max()) if batch else 0)
+            info["score_device"] = tables
         return tables
+
+
+def check_distinct_pages(op, kv_indptr, indices):
+    """kv_scores writes per page: a page in two requests' tables (or twice in one) would be written twice."""
+    used = indices[: int(kv_indptr[-1])] if kv_indptr.shape[0] > 1 else indices[:0]
+    if used.numel() != used.unique().numel():
+        raise ValueError(f"{op}: kv_scores needs each page in one request's table once (the scores are per page); "
+                         f"this plan's page tables repeat a page")
 
 
 def scale_factor(op, name, value):

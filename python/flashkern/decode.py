@@ -177,7 +177,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    ("qo_indptr", "indptr", "indices", "last_page_len"), False,
                                    {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1))},
                                    split_tokens, o_dtype, causal=q_len_per_req > 1, window_left=window_left,
-                                   logits_soft_cap=logits_soft_cap, dry_run=dry_run)
+                                   logits_soft_cap=logits_soft_cap, dry_run=dry_run,
+                                   graph_tables=(None, self._buffers[0], self._buffers[2]))
         if dry_run:
             return planned
         self._q_len_per_req, self._batch = q_len_per_req, batch

@@ -79,6 +79,10 @@ def checked_mask(op, custom_mask, packed_custom_mask, qo_lens, kv_lens):
     return pack_mask_segments(op, custom_mask, bits)
 
 
+# the fixed buffers (use_cuda_graph=True) kv_scores reads: (qo_indptr, kv_indptr, kv_last_page_len)
+GRAPH_TABLES = ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_last_page_len_buf")
+
+
 class _Prefill:
     """What the two prefill wrappers share: checking the plan's arguments, the mask and the run."""
 
@@ -149,7 +153,8 @@ class _Prefill:
                                    int(qo_indptr[-1]), num_qo_heads, num_kv_heads, head_dim_qk, page_size, sm_scale,
                                    q_dtype, kv_dtype, names, False, ALL_KINDS, split_tokens, o_dtype, causal=causal,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap, custom_mask=mask,
-                                   identity=identity, dry_run=dry_run)
+                                   identity=identity, dry_run=dry_run,
+                                   graph_tables=tuple(self._buffers.get(name) for name in GRAPH_TABLES))
         if dry_run:
             return planned
         self._causal = causal

@@ -5,6 +5,8 @@
 // consecutive keys fall in distinct banks), then the group's q rows kScoreRows at a time (fp32), and
 // each thread, two per key, walks half of the rows: logit, mask, exp(logit - lse), a running sum. The
 // two halves add in a fixed order and one thread per key writes: no atomics, the same bits every run.
+// The grid is capped (kScoreBlocks) and a block loops over its request's tiles, so it need not follow
+// the longest request (a CUDA graph replays one launch over new page tables).
 // Rows that see none of the block's keys (causal, window) are skipped whole. The final lse comes from
 // the attention run, so a probability is exact whichever way that run split the KV; the price is a
 // second read of K (and the q rows, once per key tile), no V. Where few queries score (decode), the
@@ -35,6 +37,7 @@ namespace fk {
 inline constexpr int kScoreKeys = 64;
 inline constexpr int kScoreThreads = 128;  // two threads a key
 inline constexpr int kScoreRows = 8;       // q rows staged at a time
+inline constexpr int kScoreBlocks = 2048;  // the score grid's cap: a few waves on the largest GPUs
 inline constexpr int kLogitThreads = 256;  // from the attention's logits: a thread a key
 inline constexpr int kSelectThreads = 256;  // one thread a histogram bin
 inline constexpr int kCompactThreads = 256;
@@ -77,82 +80,82 @@ __global__ void __launch_bounds__(kScoreThreads) kv_scores_kernel(KvScoresParams
   pdl_wait();  // before any global memory access (platform.h: PDL)
   const int b = blockIdx.y, kv_head = blockIdx.z, group = p.qo_heads / p.kv_heads;
   const PagedRequest req(p.kv_indptr, p.kv_indices, p.kv_last_page_len, b, p.page_size);
-  const int64_t j0 = int64_t(blockIdx.x) * kScoreKeys;
-  if (j0 >= req.kv_len) return;  // the whole block
-  const int64_t keys = req.kv_len - j0 < kScoreKeys ? req.kv_len - j0 : kScoreKeys;
   const int32_t q_begin = p.qo_indptr[b];
   const int64_t n = p.qo_indptr[b + 1] - q_begin, first_pos = req.kv_len - n;  // query i sits at first_pos + i
-
-  for (int v = threadIdx.x; v < kScoreKeys * kRowVecs; v += kScoreThreads) {
-    const int key = v / kRowVecs, c = v % kRowVecs;
-    Vec<T, kVec> x;
-    const int64_t j = j0 + key, page = key < keys ? req.page(j) : -1;
-    if (page >= 0 && page < p.num_pages)
-      x.load(static_cast<const T*>(p.k_cache) + page * p.k_strides[0] + req.slot(j) * p.k_strides[1] +
-             kv_head * p.k_strides[2] + c * kVec);
-    else
-      x.load(static_cast<const T*>(nullptr), 0);  // zeros: a key past the request or on a bad page
-    k_tile[key * kPitch + c] = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);
-  }
-
-  // The queries that see a key of [j0, j0 + keys): i >= j0 - first_pos (causal), i <= last key +
-  // window_left - first_pos (window).
-  int64_t i_lo = 0, i_hi = n;
-  if (p.causal) i_lo = j0 - first_pos > 0 ? j0 - first_pos : 0;
-  if (p.window_left >= 0) {
-    const int64_t hi = j0 + keys - 1 + p.window_left - first_pos + 1;
-    i_hi = hi < n ? hi : n;
-  }
   const int key = threadIdx.x % kScoreKeys, half = threadIdx.x / kScoreKeys;
-  const int64_t j = j0 + key;
-  float sum = 0.f;
-  for (int64_t r0 = i_lo * group; r0 < i_hi * group; r0 += kScoreRows) {
-    __syncthreads();  // the K tile is stored; the previous rows' readers are done
-    for (int v = threadIdx.x; v < kScoreRows * kRowVecs; v += kScoreThreads) {
-      const int rr = v / kRowVecs, c = v % kRowVecs;
-      const int64_t r = r0 + rr;
-      if (r >= i_hi * group) break;
-      const int64_t token = q_begin + r / group, head = int64_t(kv_head) * group + r % group;
+  // key tiles blockIdx.x, + gridDim.x, ...: the grid need not follow the longest request (CUDA graphs)
+  for (int64_t j0 = int64_t(blockIdx.x) * kScoreKeys; j0 < req.kv_len; j0 += int64_t(gridDim.x) * kScoreKeys) {
+    const int64_t keys = req.kv_len - j0 < kScoreKeys ? req.kv_len - j0 : kScoreKeys;
+    __syncthreads();  // the previous tile's readers of k_tile and upper_half are done
+    for (int v = threadIdx.x; v < kScoreKeys * kRowVecs; v += kScoreThreads) {
+      const int tile_key = v / kRowVecs, c = v % kRowVecs;
       Vec<T, kVec> x;
-      x.load(static_cast<const T*>(p.q) + token * p.q_strides[0] + head * p.q_strides[1] + c * kVec);
-      float4* row = q_rows + rr * (kHeadDim / 4) + c * (kVec / 4);
-#pragma unroll
-      for (int e = 0; e < kVec / 4; ++e)
-        row[e] = make_float4(x.f(4 * e), x.f(4 * e + 1), x.f(4 * e + 2), x.f(4 * e + 3));
-      if (c == 0) row_lse[rr] = p.lse[token * p.qo_heads + head];
+      const int64_t j = j0 + tile_key, page = tile_key < keys ? req.page(j) : -1;
+      if (page >= 0 && page < p.num_pages)
+        x.load(static_cast<const T*>(p.k_cache) + page * p.k_strides[0] + req.slot(j) * p.k_strides[1] +
+               kv_head * p.k_strides[2] + c * kVec);
+      else
+        x.load(static_cast<const T*>(nullptr), 0);  // zeros: a key past the request or on a bad page
+      k_tile[tile_key * kPitch + c] = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);
     }
-    __syncthreads();
-    for (int rr = half; rr < kScoreRows && r0 + rr < i_hi * group; rr += 2) {
-      const int64_t pos = first_pos + (r0 + rr) / group;
-      const bool seen = key < keys && (!p.causal || j <= pos) && (p.window_left < 0 || j >= pos - p.window_left);
-      const float lse = row_lse[rr];
-      if (!seen || lse == -INFINITY) continue;
-      const float4* row = q_rows + rr * (kHeadDim / 4);
-      float dot = 0.f;
-#pragma unroll 4
-      for (int c = 0; c < kRowVecs; ++c) {
-        const uint4 u = k_tile[key * kPitch + c];
-        Vec<T, kVec> k;
-        k.w[0] = u.x, k.w[1] = u.y, k.w[2] = u.z, k.w[3] = u.w;
+
+    // The queries that see a key of [j0, j0 + keys): i >= j0 - first_pos (causal), i <= last key +
+    // window_left - first_pos (window).
+    int64_t i_lo = 0, i_hi = n;
+    if (p.causal) i_lo = j0 - first_pos > 0 ? j0 - first_pos : 0;
+    if (p.window_left >= 0) {
+      const int64_t hi = j0 + keys - 1 + p.window_left - first_pos + 1;
+      i_hi = hi < n ? hi : n;
+    }
+    const int64_t j = j0 + key;
+    float sum = 0.f;
+    for (int64_t r0 = i_lo * group; r0 < i_hi * group; r0 += kScoreRows) {
+      __syncthreads();  // the K tile is stored; the previous rows' readers are done
+      for (int v = threadIdx.x; v < kScoreRows * kRowVecs; v += kScoreThreads) {
+        const int rr = v / kRowVecs, c = v % kRowVecs;
+        const int64_t r = r0 + rr;
+        if (r >= i_hi * group) break;
+        const int64_t token = q_begin + r / group, head = int64_t(kv_head) * group + r % group;
+        Vec<T, kVec> x;
+        x.load(static_cast<const T*>(p.q) + token * p.q_strides[0] + head * p.q_strides[1] + c * kVec);
+        float4* row = q_rows + rr * (kHeadDim / 4) + c * (kVec / 4);
 #pragma unroll
-        for (int e = 0; e < kVec / 4; ++e) {
-          const float4 qv = row[c * (kVec / 4) + e];
-          dot += qv.x * k.f(4 * e) + qv.y * k.f(4 * e + 1) + qv.z * k.f(4 * e + 2) + qv.w * k.f(4 * e + 3);
-        }
+        for (int e = 0; e < kVec / 4; ++e)
+          row[e] = make_float4(x.f(4 * e), x.f(4 * e + 1), x.f(4 * e + 2), x.f(4 * e + 3));
+        if (c == 0) row_lse[rr] = p.lse[token * p.qo_heads + head];
       }
-      float logit = dot * p.sm_scale;
-      if (p.logits_soft_cap > 0.f) logit = p.logits_soft_cap * tanhf(logit / p.logits_soft_cap);
-      sum += expf(logit - lse);
+      __syncthreads();
+      for (int rr = half; rr < kScoreRows && r0 + rr < i_hi * group; rr += 2) {
+        const int64_t pos = first_pos + (r0 + rr) / group;
+        const bool seen = key < keys && (!p.causal || j <= pos) && (p.window_left < 0 || j >= pos - p.window_left);
+        const float lse = row_lse[rr];
+        if (!seen || lse == -INFINITY) continue;
+        const float4* row = q_rows + rr * (kHeadDim / 4);
+        float dot = 0.f;
+#pragma unroll 4
+        for (int c = 0; c < kRowVecs; ++c) {
+          const uint4 u = k_tile[key * kPitch + c];
+          Vec<T, kVec> k;
+          k.w[0] = u.x, k.w[1] = u.y, k.w[2] = u.z, k.w[3] = u.w;
+#pragma unroll
+          for (int e = 0; e < kVec / 4; ++e) {
+            const float4 qv = row[c * (kVec / 4) + e];
+            dot += qv.x * k.f(4 * e) + qv.y * k.f(4 * e + 1) + qv.z * k.f(4 * e + 2) + qv.w * k.f(4 * e + 3);
+          }
+        }
+        float logit = dot * p.sm_scale;
+        if (p.logits_soft_cap > 0.f) logit = p.logits_soft_cap * tanhf(logit / p.logits_soft_cap);
+        sum += expf(logit - lse);
+      }
     }
-  }
-  if (half == 1) upper_half[key] = sum;
-  __syncthreads();
-  if (half == 0 && key < keys) {
-    const int64_t page = req.page(j);
-    if (page < 0 || page >= p.num_pages) return;
-    float& out = p.scores[(page * p.kv_heads + kv_head) * p.page_size + req.slot(j)];
-    const float total = p.scale * (sum + upper_half[key]);
-    out = p.accumulate && j < first_pos ? out + total : total;
+    if (half == 1) upper_half[key] = sum;
+    __syncthreads();
+    const int64_t page = key < keys ? req.page(j) : -1;
+    if (half == 0 && page >= 0 && page < p.num_pages) {
+      float& out = p.scores[(page * p.kv_heads + kv_head) * p.page_size + req.slot(j)];
+      const float total = p.scale * (sum + upper_half[key]);
+      out = p.accumulate && j < first_pos ? out + total : total;
+    }
   }
 }
 
@@ -196,7 +199,10 @@ inline const char* run_kv_scores(const KvScoresParams& p, gpuStream_t stream) {
   return with_dtype16(p.dtype, [&](auto t) {
     using T = decltype(t);
     return with_head_dim(p.head_dim, [&](auto d) {
-      const dim3 grid(unsigned(ceil_div(p.max_kv_len, int64_t(kScoreKeys))), unsigned(p.batch), unsigned(p.kv_heads));
+      // a key tile a block, at most kScoreBlocks blocks in all (a longer request loops)
+      const int64_t per_request = ceil_div(int64_t(kScoreBlocks), int64_t(p.batch) * p.kv_heads);
+      const int64_t tiles = ceil_div(p.max_kv_len, int64_t(kScoreKeys));
+      const dim3 grid(unsigned(tiles < per_request ? tiles : per_request), unsigned(p.batch), unsigned(p.kv_heads));
       constexpr auto kernel = kv_scores_kernel<T, decltype(d)::value>;
       FK_LAUNCH(kernel, grid, dim3(kScoreThreads), stream)(p);
       return last_launch_error();
