@@ -21,3 +21,22 @@ def test_prefix_cache_generate_matches_transformers(device):
     assert verdicts.count("equal") >= 14
     assert paged.shared_tokens >= 14 * 32  # the system prompts' full pages were shared, not prefilled
     assert paged.cache.running == [] and paged.cache.free_pages + len(list(paged.cache._nodes())) == paged.cache.num_pages
+
+
+def test_tensor_parallel_generation_matches_one_process():
+    """examples/tensor_parallel.py under torchrun, 2 ranks on gloo over 127.0.0.1: every layer's all-reduce +
+    add + RMSNorm through flashkern.comm, greedy tokens and logits equal to the whole model's."""
+    import os
+    import subprocess
+
+    from conftest import subprocess_limit
+    from test_comm import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "python"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), str(root / "examples" / "tensor_parallel.py")],
+                         env=env, capture_output=True, text=True, timeout=subprocess_limit(10))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "tensor parallel over 2 ranks" in run.stdout and "matches generate()" in run.stdout, run.stdout

@@ -39,6 +39,7 @@ from . import spec  # noqa: E402  (flashkern.spec: tree masks, positions and ver
 from . import optim  # noqa: E402  (flashkern.optim: AdamW, clip_grad_norm_)
 from .optim import clip_grad_norm_
 from . import kv_compress  # noqa: E402  (flashkern.kv_compress: SnapKV, H2O, StreamingLLM)
+from . import comm  # noqa: E402  (flashkern.comm: the all-reduce fused with add + RMSNorm)
 from .sampling import (
     chain_speculative_sampling,
     min_p_sampling_from_probs,

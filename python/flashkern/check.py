@@ -353,10 +353,75 @@ def _kv_compress(device, dtype, gen):
         Verdict((compacted.cpu() != want).sum(), torch.equal(compacted.cpu(), want)), None
 
 
+def _tp_rank(rank, world, port, device, dtype, backend, out_dir):
+    """One rank of the tensor-parallel family (a spawned process): its outputs to out_dir/rank<r>.pt."""
+    import torch.distributed as dist
+
+    from . import comm
+
+    _backend.set_backend(backend)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        xs, residual, weight = _tp_inputs(world, dtype, device)
+        x, res = xs[rank].clone(), residual.clone()
+        comm.fused_allreduce_add_rmsnorm(x, res, weight)
+        ws = comm.create_allreduce_fusion_workspace(max_token_num=7, hidden_dim=xs[0].shape[1], dtype=dtype)
+        res_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
+        comm.allreduce_fusion(xs[rank], ws, comm.AllReduceFusionPattern.kARResidualRMSNorm, residual_in=residual,
+                              residual_out=res_out, norm_out=norm_out, rms_gamma=weight, fp32_acc=True)
+        torch.save([t.cpu() for t in (x, res, norm_out, res_out)], f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_inputs(world, dtype, device):
+    gen = torch.Generator().manual_seed(7)  # the same on every rank; rank r takes xs[r]
+    xs = [_rand((7, 1024), dtype, device, gen) for _ in range(world)]
+    return xs, _rand((7, 1024), dtype, device, gen), _rand((1024,), torch.float32, device, gen)
+
+
+def _tensor_parallel(device, dtype, gen):
+    """flashkern.comm across ranks: two spawned processes on gloo over 127.0.0.1 for the CPU, one NCCL rank on a
+    GPU; the fused all-reduce + add + RMSNorm against float64 of every rank's input, every rank the same bits."""
+    if dtype == torch.float32:
+        return
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = 1 if device.startswith("cuda") else 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        ranks = mp.start_processes(_tp_rank, args=(world, port, device, dtype, _backend.get_backend(), out_dir),
+                                   nprocs=world, join=False, start_method="spawn")
+        deadline = 120.0
+        while not ranks.join(timeout=1.0):
+            deadline -= 1.0
+            if deadline <= 0:
+                for p in ranks.processes:
+                    p.terminate()
+                raise RuntimeError(f"tensor parallel: the {world} ranks did not finish in 120 s")
+        outs = [torch.load(f"{out_dir}/rank{r}.pt") for r in range(world)]
+    xs, residual, weight = _tp_inputs(world, dtype, "cpu")
+    summed = residual.double() + sum(x.double() for x in xs)
+    normed = ref.rmsnorm(summed, weight.double(), 1e-6, 0.0)
+    shape = (world, *xs[0].shape)
+    yield "fused_allreduce_add_rmsnorm", shape, _flat(outs[0][0], outs[0][1]), _flat(normed, summed)
+    yield "allreduce_fusion (kARResidualRMSNorm)", shape, _flat(outs[0][2], outs[0][3]), _flat(normed, summed)
+    same = all(torch.equal(a, b) for out in outs[1:] for a, b in zip(out, outs[0]))
+    yield "every rank the same bits", shape, Verdict(0 if same else 1, same), None
+
+
 FAMILIES = {"norms": _norms, "activations": _activations, "rope": _rope, "merge": _merge, "decode": _decode,
             "prefill": _prefill, "cascade": _cascade, "softmax": _softmax, "renorm": _renorm, "sampling": _sampling,
             "speculative": _speculative, "optimizer": _optimizer, "prefix cache": _prefix_cache,
-            "kv compression": _kv_compress}
+            "kv compression": _kv_compress, "tensor parallel": _tensor_parallel}
 
 
 def _row(family, op, device, backend, dtype, shape, actual, expected):

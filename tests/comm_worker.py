@@ -1,0 +1,127 @@
+"""One rank of tests/test_comm.py: ``python comm_worker.py RANK WORLD PORT SCENARIO OUT``. Joins a gloo group on
+127.0.0.1, runs the scenario's calls, checks each against float64 computed here from every rank's inputs (each
+rank's are seeded by its rank, so any rank can make all of them) and writes what it found to OUT as JSON:
+{"failures": [...], "checksums": [...]} (checksums: the outputs' bits, equal on every rank)."""
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from flashkern import comm
+from flashkern.tolerances import tolerance
+
+TOKENS, HIDDEN = (1, 7, 128, 2048), (1024, 4096, 7168)
+
+
+def rand(shape, dtype, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def inputs(case, world, tokens, hidden, dtype):
+    """Every rank's input, the (replicated) residual and norm weight of a case."""
+    xs = [rand((tokens, hidden), dtype, 1000 * case + r) for r in range(world)]
+    return xs, rand((tokens, hidden), dtype, 1000 * case + 999), rand((hidden,), torch.float32, 1000 * case + 998)
+
+
+def expected(xs, residual, weight, eps, weight_offset=0.0):
+    """float64: the sum over the ranks, residual + sum, and the RMSNorm of that."""
+    total = sum(x.double() for x in xs)
+    summed = residual.double() + total
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + weight_offset)
+    return total, summed, normed
+
+
+def close(failures, name, got, want, dtype, roundings=1):
+    """roundings: how many times the result may have been rounded to dtype on its way (the tolerance's one,
+    or the engine's sum rounded at each of its world - 1 additions)."""
+    bound = {k: v * roundings for k, v in tolerance(dtype).items()}
+    try:
+        torch.testing.assert_close(got.double(), want, **bound)
+    except AssertionError as e:
+        failures.append(f"{name}: {str(e).splitlines()[0:4]}")
+
+
+def checksum(t):
+    return int(t.contiguous().view(torch.uint8).long().sum())
+
+
+def fused(rank, world, failures, sums):
+    """fused_allreduce_add_rmsnorm over the issue's sizes, bfloat16 (and float16 for the smaller ones)."""
+    case = 0
+    for tokens in TOKENS:
+        for hidden in HIDDEN:
+            for dtype in (torch.bfloat16,) + ((torch.float16,) if tokens * hidden <= 128 * 4096 else ()):
+                case += 1
+                xs, residual, weight = inputs(case, world, tokens, hidden, dtype)
+                x, res = xs[rank].clone(), residual.clone()
+                comm.fused_allreduce_add_rmsnorm(x, res, weight, 1e-6)
+                _, summed, normed = expected(xs, residual, weight, 1e-6)
+                close(failures, f"residual {tokens}x{hidden} {dtype}", res, summed, dtype)
+                close(failures, f"norm {tokens}x{hidden} {dtype}", x, normed, dtype)
+                sums += [checksum(res), checksum(x)]
+
+
+def flashinfer_api(rank, world, failures, sums):
+    """allreduce_fusion, both patterns, fp32_acc on and off, Gemma's weight_bias; a workspace reused with fewer
+    tokens; a debug workspace."""
+    P = comm.AllReduceFusionPattern
+    ws = comm.create_allreduce_fusion_workspace("auto", world, rank, max_token_num=64, hidden_dim=1024,
+                                                dtype=torch.bfloat16, debug=True)
+    for case, (tokens, fp32_acc, bias) in enumerate([(64, True, 0.0), (5, False, 0.0), (17, True, 1.0)], start=100):
+        xs, residual, weight = inputs(case, world, tokens, 1024, torch.bfloat16)
+        total, summed, normed = expected(xs, residual, weight, 1e-5, bias)
+        out = comm.allreduce_fusion(xs[rank], ws, P.kAllReduce, fp32_acc=fp32_acc)
+        close(failures, f"kAllReduce {tokens} fp32_acc={fp32_acc}", out, total, torch.bfloat16,
+              world - 1 if not fp32_acc else 1)
+        res_out, norm_out, ar_out = (torch.full_like(residual, float("nan")) for _ in range(3))
+        got = comm.allreduce_fusion(xs[rank], ws, P.kARResidualRMSNorm, output=ar_out, residual_in=residual,
+                                    residual_out=res_out, norm_out=norm_out, rms_gamma=weight, rms_eps=1e-5,
+                                    fp32_acc=fp32_acc, weight_bias=bias)
+        if got is not norm_out:
+            failures.append("kARResidualRMSNorm must return norm_out")
+        close(failures, f"output {tokens}", ar_out, total, torch.bfloat16, world - 1 if not fp32_acc else 1)
+        if not fp32_acc:  # the engine summed in bfloat16 (a rounding a step): add and norm the sum it made
+            _, summed, normed = expected([ar_out], residual, weight, 1e-5, bias)
+        close(failures, f"residual_out {tokens}", res_out, summed, torch.bfloat16)
+        close(failures, f"norm_out {tokens} bias {bias}", norm_out, normed, torch.bfloat16)
+        sums += [checksum(res_out), checksum(norm_out)]
+    # a rank with another shape: every rank raises (the debug all-gather), none hangs
+    tokens = 3 if rank == 0 else 4
+    try:
+        comm.allreduce_fusion(torch.zeros(tokens, 1024, dtype=torch.bfloat16), ws, P.kAllReduce)
+        failures.append("ranks with different shapes did not raise")
+    except ValueError as e:
+        if "different shapes" not in str(e):
+            failures.append(f"wrong error for different shapes: {e}")
+
+
+def disagreeing_workspace(rank, world, failures, sums):
+    try:
+        comm.create_allreduce_fusion_workspace(max_token_num=16 + rank, hidden_dim=1024, dtype=torch.bfloat16)
+        failures.append("a workspace the ranks disagree on did not raise")
+    except ValueError as e:
+        if "disagree" not in str(e):
+            failures.append(f"wrong error for a disagreeing workspace: {e}")
+
+
+SCENARIOS = {"fused": fused, "flashinfer_api": flashinfer_api, "disagreeing_workspace": disagreeing_workspace}
+
+
+def main():
+    rank, world, port, scenario, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    failures, sums = [], []
+    try:
+        SCENARIOS[scenario](rank, world, failures, sums)
+    finally:
+        with open(out, "w") as f:
+            json.dump({"failures": failures, "checksums": sums}, f)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
