@@ -107,7 +107,25 @@ def disagreeing_workspace(rank, world, failures, sums):
             failures.append(f"wrong error for a disagreeing workspace: {e}")
 
 
-SCENARIOS = {"fused": fused, "flashinfer_api": flashinfer_api, "disagreeing_workspace": disagreeing_workspace}
+def compiled(rank, world, failures, sums):
+    """torch.compile(fullgraph=True) of a layer's end (the op between two matmuls): the same bits as eager."""
+    xs, residual, weight = inputs(300, world, 7, 1024, torch.bfloat16)
+    proj = rand((1024, 1024), torch.bfloat16, 301) / 32
+
+    def layer_end(x, res):
+        h = x @ proj
+        comm.fused_allreduce_add_rmsnorm(h, res, weight)
+        return h, res
+
+    eager = layer_end(xs[rank].clone(), residual.clone())
+    got = torch.compile(layer_end, fullgraph=True)(xs[rank].clone(), residual.clone())
+    for name, a, b in zip(("norm", "residual"), got, eager):
+        if not torch.equal(a, b):
+            failures.append(f"compiled {name} differs from eager by {(a.float() - b.float()).abs().max()}")
+    sums += [checksum(t) for t in got]
+
+
+SCENARIOS = {"compiled": compiled, "fused": fused, "flashinfer_api": flashinfer_api, "disagreeing_workspace": disagreeing_workspace}
 
 
 def main():

@@ -66,6 +66,14 @@ def test_flashinfer_allreduce_fusion(world, tmp_path):
     assert all(report["checksums"] == reports[0]["checksums"] for report in reports)
 
 
+def test_fused_op_under_torch_compile(tmp_path):
+    """torch.compile(fullgraph=True) traces the op (dynamo turns dist.all_reduce into a functional collective):
+    the same bits as eager on both ranks."""
+    reports = run_ranks(2, "compiled", tmp_path, alone_seconds=60)
+    assert [report["failures"] for report in reports] == [[], []]
+    assert reports[0]["checksums"] == reports[1]["checksums"]
+
+
 def test_a_workspace_the_ranks_disagree_on_raises_everywhere(tmp_path):
     reports = run_ranks(2, "disagreeing_workspace", tmp_path, alone_seconds=5)
     assert [report["failures"] for report in reports] == [[], []]
