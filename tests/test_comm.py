@@ -14,7 +14,6 @@ from conftest import subprocess_limit
 
 from flashkern import comm
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "comm_worker.py"
 
 
@@ -24,11 +23,19 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rank_env():
+    """A rank's environment: the flashkern this test imported (installed, or the source tree with its build)."""
+    import flashkern
+
+    where = str(Path(flashkern.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([where, os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
 def run_ranks(world, scenario, tmp_path, alone_seconds):
     """Every rank's report; all ranks are killed if any outlives the limit."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = rank_env()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), scenario,
                                str(tmp_path / f"rank{r}.json")], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]

@@ -30,11 +30,10 @@ def test_tensor_parallel_generation_matches_one_process():
     import subprocess
 
     from conftest import subprocess_limit
-    from test_comm import free_port
+    from test_comm import free_port, rank_env
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "python"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = rank_env()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                           "127.0.0.1", "--master-port", str(free_port()), str(root / "examples" / "tensor_parallel.py")],
                          env=env, capture_output=True, text=True, timeout=subprocess_limit(10))

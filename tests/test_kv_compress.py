@@ -423,6 +423,34 @@ def test_attention_logits_argument_is_checked(device):
                 torch.zeros(2, 4, 18, device=device)[:, :, ::2], torch.zeros(2, 3, 9, device=device)):
         with pytest.raises(ValueError, match="logits must be a contiguous float32 tensor"):
             _run("kv_scores", q.device, torch.float16, *args, bad)
+    # a request longer than max_kv_len (8 < 9): the host reference refuses; the kernels score keys 0 .. 7 only
+    short = args[:8] + (8,) + args[9:]
+    if emulated(device):
+        _run("kv_scores", q.device, torch.float16, *short, torch.zeros(2, 4, 8, device=device))
+        pages = indices[indptr[1] : indptr[2]].long()
+        assert (short[7][pages[0], :, :8] > 0).all() and (short[7][pages[0], :, 8] == 0).all()
+    else:
+        with pytest.raises(ValueError, match="past max_kv_len"):
+            _run("kv_scores", q.device, torch.float16, *short, torch.zeros(2, 4, 8, device=device))
+
+
+def test_attention_logits_need_one_level_without_a_mask(device):
+    """The attention kernels write a key's logit at its position in its level: a cascade plan (two levels) or a
+    custom mask with logits is refused by batch_attention itself."""
+    from flashkern import MultiLevelCascadeAttentionWrapper, _backend
+    from flashkern._paged_attention import _batch_attention_cpu
+
+    cache, indptr, indices, last = paged(random_kv([20, 20], 2, 64, 0), 16, "NHD", torch.float16, device)
+    wrapper = MultiLevelCascadeAttentionWrapper(2, torch.empty(16 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan([i32([0, 2]), i32([0, 1, 2])], [i32([0, 1]), i32([0, 1, 2])], [indices[:1], indices[2:4]],
+                 [i32([16]), i32([4, 4])], 8, 2, 64, 16, q_data_type=torch.float16)
+    info, core = wrapper._core._plan_info, wrapper._core
+    q = rand((2, 8, 64), torch.float16, device)
+    k, v = cache[:, 0], cache[:, 1]
+    run = _batch_attention_cpu if _backend.use_reference(q.device) else torch.ops.flashkern.batch_attention
+    with pytest.raises(ValueError, match="one level"):
+        run(q, k, v, info["kv_indices"], core._workspace, torch.empty_like(q), torch.empty(2, 8, device=device),
+            info["grid"], 0.125, None, 1.0, False, None, 0.0, torch.zeros(2, 8, 64, device=device))
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

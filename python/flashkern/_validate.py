@@ -288,6 +288,9 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
     if logits is not None:
         check_logits(op, logits, q, 0)
+        if len(kv_indices) != 1 or custom_mask is not None or grid[2] != 0:
+            raise ValueError(f"{op}: logits need a plan of one level, no custom mask and no 64-row tiles (grid[2] "
+                             f"== 0): the kernels write a key's logit at its position in that level")
 
 
 def check_logits(op, logits, q, min_len):
@@ -619,6 +622,12 @@ def check_kv_scores(q, lse, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_p
         raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
     if logits is not None:
         check_logits(op, logits, q, max_kv_len)
+        if reference and addresses:  # the host sees the lengths (the kernel skips keys past max_kv_len)
+            indptr, last = kv_indptr.cpu().long(), kv_last_page_len.cpu().long()
+            pages = indptr[1:] - indptr[:-1]
+            longest = int(torch.where(pages > 0, (pages - 1) * k_cache.shape[1] + last, 0).max()) if batch else 0
+            if longest > max_kv_len:
+                raise ValueError(f"{op}: a request holds {longest} keys, past max_kv_len ({max_kv_len}) of the logits")
 
 
 def check_kv_select(scores, kv_indptr, kv_indices, kv_last_page_len, kept_indptr, num_kept, window, keep_first,

@@ -157,8 +157,9 @@ struct BatchAttentionParams {
   bool pdl;                      // programmatic dependent launches where the device has them (platform.h)
   // kv_scores' epilogue: [queries, qo_heads, logits_stride] float32, or nullptr. The decode and 16-row
   // kernels write there the logit of every key a query sees (base 2: the natural logit, after the soft
-  // cap, times log2 e), at the key's position in its sequence; the 64-row kernel writes none. The caller
-  // sizes logits_stride to the plan's longest request (the kernels do not check it).
+  // cap, times log2 e), at the key's position in its sequence; the 64-row kernel writes none. Only for a
+  // plan of one level without a custom mask or 64-row tiles (the glue checks), and the caller sizes
+  // logits_stride to the plan's longest request (the kernels do not check it).
   float* logits;
   int64_t logits_stride;
 };
@@ -345,8 +346,9 @@ struct KvScoresParams {
   const int32_t* kv_indptr;      // [batch + 1]
   const int32_t* kv_indices;
   const int32_t* kv_last_page_len;  // [batch]
-  // max_kv_len sizes the grid: the score kernel loops over the keys of a longer request (a capped grid,
-  // for CUDA graphs); from logits, keys at or past max_kv_len (<= logits_stride) are not scored
+  // max_kv_len sizes the grid (0: nothing runs): the score kernel loops over the keys of a longer request
+  // (a capped grid, for CUDA graphs); from logits, keys at or past max_kv_len (<= logits_stride) are not
+  // scored
   int64_t num_pages, max_kv_len;
   int batch, qo_heads, kv_heads, head_dim, page_size;
   int window_left;               // -1: none

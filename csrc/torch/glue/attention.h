@@ -175,11 +175,15 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                       op, ": custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on ", q_in.device());
   FK_CHECK_VALUE(std::isfinite(logits_soft_cap) && (logits_soft_cap == 0 || logits_soft_cap >= 1e-6), op,
                     ": logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got ", logits_soft_cap);
-  if (logits.has_value())  // the positions the kernels write are checked by the caller (kv_scores: max_kv_len)
+  if (logits.has_value()) {  // the positions the kernels write are checked by the caller (kv_scores: max_kv_len)
     FK_CHECK_VALUE(logits->scalar_type() == at::kFloat && logits->dim() == 3 && logits->size(0) == batch &&
                        logits->size(1) == qo_heads && logits->is_contiguous() && logits->device() == q_in.device(),
                    op, ": logits must be a contiguous float32 tensor [", batch, ", ", qo_heads, ", max_kv_len] on ",
                    q_in.device());
+    FK_CHECK_VALUE(kv_indices.size() == 1 && !custom_mask.has_value() && grid[2] == 0, op,
+                   ": logits need a plan of one level, no custom mask and no 64-row tiles (grid[2] == 0): the "
+                   "kernels write a key's logit at its position in that level");
+  }
   if (batch == 0) return;
 
   const c10::DeviceGuard guard(q_in.device());

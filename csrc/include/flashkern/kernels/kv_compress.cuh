@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kLogitThreads) kv_scores_from_logits_kernel(Kv
   const int b = blockIdx.y, kv_head = blockIdx.z, group = p.qo_heads / p.kv_heads;
   const PagedRequest req(p.kv_indptr, p.kv_indices, p.kv_last_page_len, b, p.page_size);
   const int64_t j = int64_t(blockIdx.x) * kLogitThreads + threadIdx.x;
-  if (j >= req.kv_len) return;
+  if (j >= req.kv_len || j >= p.max_kv_len) return;  // max_kv_len <= logits_stride: never past a row
   const int32_t q_begin = p.qo_indptr[b];
   const int64_t n = p.qo_indptr[b + 1] - q_begin, first_pos = req.kv_len - n;  // query i sits at first_pos + i
   // the queries that see key j: i >= j - first_pos (causal), i <= j + window_left - first_pos (window)
@@ -199,8 +199,9 @@ inline const char* run_kv_scores(const KvScoresParams& p, gpuStream_t stream) {
   return with_dtype16(p.dtype, [&](auto t) {
     using T = decltype(t);
     return with_head_dim(p.head_dim, [&](auto d) {
-      // a key tile a block, at most kScoreBlocks blocks in all (a longer request loops)
-      const int64_t per_request = ceil_div(int64_t(kScoreBlocks), int64_t(p.batch) * p.kv_heads);
+      // a key tile a block, at most max(kScoreBlocks, batch * kv_heads) blocks in all (a longer request loops)
+      const int64_t requests = int64_t(p.batch) * p.kv_heads;
+      const int64_t per_request = requests < kScoreBlocks ? kScoreBlocks / requests : 1;
       const int64_t tiles = ceil_div(p.max_kv_len, int64_t(kScoreKeys));
       const dim3 grid(unsigned(tiles < per_request ? tiles : per_request), unsigned(p.batch), unsigned(p.kv_heads));
       constexpr auto kernel = kv_scores_kernel<T, decltype(d)::value>;
