@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_limit
+from conftest import assert_close, subprocess_limit
 
 from flashkern import comm
 
@@ -111,7 +111,7 @@ def test_single_process_group(tmp_path):
             comm.allreduce_fusion(torch.zeros(2, 1024, dtype=torch.bfloat16), ws, 2)
         with pytest.raises(ValueError, match="needs residual_in"):
             comm.allreduce_fusion(torch.zeros(2, 1024, dtype=torch.bfloat16), ws, 1)
-        with pytest.raises(ValueError, match="not built yet"):
+        with pytest.raises(ValueError, match="not wired yet"):
             comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=8, hidden_dim=1024, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="residual must have shape"):
             comm.fused_allreduce_add_rmsnorm(x, residual[:2], weight)
@@ -125,3 +125,31 @@ def test_without_torch_distributed():
     x = torch.zeros(2, 8)
     with pytest.raises(RuntimeError, match="not initialized"):
         comm.fused_allreduce_add_rmsnorm(x, x.clone(), torch.ones(8))
+
+
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_allreduce_kernel_op_on_one_rank(two_shot):
+    """torch.ops' allreduce_fusion (csrc/torch/glue/comm.h) over the emulated kernels, a group of one:
+    the glue's checks, params and launch; the multi-rank protocol is tests/test_emulated_kernels.py's."""
+    pytest.importorskip("flashkern._emulate")
+    from flashkern import ref
+
+    op = torch.ops.flashkern_emulate.allreduce_fusion
+    x, residual = torch.randn(5, 1024).bfloat16(), torch.randn(5, 1024).bfloat16()
+    weight = torch.randn(1024)
+    workspace = torch.zeros(4096 + 6 * 5 * 1024 * 2, dtype=torch.uint8)
+    residual_out, norm_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    op(x, residual, weight, None, residual_out, norm_out, workspace, [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)
+    s = x.double() + residual.double()
+    assert_close(residual_out, s, torch.bfloat16)
+    assert_close(norm_out, ref.rmsnorm(s, weight.double(), 1e-6), torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    op(x, None, None, out, None, None, workspace, [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)
+    assert torch.equal(out, x)
+    with pytest.raises(ValueError, match="does not fit the workspace"):
+        op(torch.zeros(6, 1024).bfloat16(), None, None, torch.zeros(6, 1024).bfloat16(), None, None, workspace,
+           [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="peers\\[rank\\] must be this rank's workspace"):
+        op(x, None, None, out, None, None, workspace, [workspace.data_ptr() + 16], 0, two_shot, 1e-6, 0.0)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        op(x.float(), None, None, out.float(), None, None, workspace, [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FLOAT_DTYPES, assert_close, rand
+from conftest import FLOAT_DTYPES, assert_close, rand, tolerance
 
 from flashkern import ref
 from flashkern.rope_scaling import cos_sin_cache, theta_inv_freq
@@ -85,6 +85,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_kv_scores": [P, P, I64, P, P, I64, P, P, P, P, L, L, I, I, I, I, I, I, F, F, F, I, I, I, P, L],
         "emu_kv_select": [P, P, P, P, P, P, I, I, I, I, I, I],
         "emu_kv_compact": [P, P, I64, I64, P, P, P, P, P, P, P, I, I, I, I, I],
+        "emu_allreduce": [I, P, P, P, P, P, P, I, I64, P, L, I, I, F, F, L, I, I, I64],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
     lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
@@ -93,6 +94,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_char_p
     lib.emu_softmax_chunks.argtypes, lib.emu_softmax_chunks.restype = [L], L
+    lib.emu_comm_workspace_bytes.argtypes, lib.emu_comm_workspace_bytes.restype = [L], L
     return lib
 
 
@@ -1092,3 +1094,161 @@ def test_every_kernel_and_path(attention_lib):
     test_attention_logits_epilogue(lib, 8, 64, 1, torch.bfloat16, -1, 0.0)  # 16-row tiles
     test_kv_select_kernel(lib, 5, 8, 2)
     test_kv_compact_kernel(lib, 128, 16, False)  # in place
+
+
+# ---------------------------------------------------------------- tensor-parallel all-reduce (+ add + RMSNorm)
+# The ranks of a group run at once, each launch on its own host thread, over workspaces in this
+# process standing for the peer-mapped symmetric memory (tests/emu/emu_ops.cpp: emu_allreduce).
+
+
+def run_allreduce(lib, inputs, rows, two_shot, residuals=None, weight=None, workspaces=None, message_bytes=None,
+                  blocks=3, threads=None, in_place=False, delays=None, eps=1e-6, offset=0.0):
+    """Every rank's all-reduce of inputs[r] ([sum(rows), cols] each, the calls' rows one after another),
+    call c of rows[c] rows, one-shot or two-shot (two_shot[c]). With residuals (one per rank, the same
+    values): residual += sum, then the norm. Returns the outputs per rank: [out] or [residual_out, norm_out]."""
+    world, cols, dtype = len(inputs), inputs[0].shape[1], inputs[0].dtype
+    message_bytes = message_bytes or max(rows) * cols * 2
+    workspaces = workspaces or [torch.zeros(lib.emu_comm_workspace_bytes(message_bytes), dtype=torch.uint8)
+                                for _ in range(world)]
+    threads = threads or max(64, 1 << (cols // 8 // 4 - 1).bit_length())  # 4 vectors a thread at most
+    if residuals is None:
+        outs, norms = [nan_like(x) for x in inputs], [None] * world
+    elif in_place:
+        outs, norms = residuals, inputs
+    else:
+        outs, norms = [nan_like(x) for x in inputs], [nan_like(x) for x in inputs]
+    array = lambda ts: (ctypes.c_void_p * world)(*[ptr(t) for t in ts])  # noqa: E731
+    ok(lib.emu_allreduce(world, array(workspaces), array(inputs), None if residuals is None else array(residuals),
+                         ptr(weight), array(outs), None if residuals is None else array(norms), len(rows), i64s(*rows),
+                         (ctypes.c_uint8 * len(rows))(*two_shot), cols, DTYPE[dtype],
+                         DTYPE[weight.dtype] if weight is not None else 0, ctypes.c_float(eps), ctypes.c_float(offset),
+                         message_bytes, blocks, threads, i64s(*(delays or [0] * world))))
+    return [[o] if n is None else [o, n] for o, n in zip(outs, norms)]
+
+
+def allreduce_expected(inputs, residual, weight, eps=1e-6):
+    """float64: the sum over the ranks in rank order, then (residual) the add and the norm."""
+    total = inputs[0].double()
+    for x in inputs[1:]:
+        total = total + x.double()
+    if residual is None:
+        return [total]
+    s = total + residual.double()
+    return [s, ref.rmsnorm(s, weight.double(), eps)]
+
+
+def check_allreduce(results, expected, dtype):
+    for rank in results:  # every rank the same bits
+        for got, first in zip(rank, results[0]):
+            assert torch.equal(got.view(torch.int16), first.view(torch.int16))
+    for got, want in zip(results[0], expected):
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 128])
+@pytest.mark.parametrize("hidden", [1024, 4096, 7168])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_allreduce_add_rmsnorm_kernels(emu, tokens, hidden, world, two_shot):
+    dtype = torch.bfloat16
+    inputs = [rand((tokens, hidden), dtype, "cpu", seed=10 + r) for r in range(world)]
+    residual = rand((tokens, hidden), dtype, "cpu", seed=9)
+    weight = rand((hidden,), torch.float32, "cpu", seed=8)
+    expected = allreduce_expected(inputs, residual, weight)
+    results = run_allreduce(emu, inputs, [tokens], [two_shot], [residual.clone() for _ in range(world)], weight)
+    check_allreduce(results, expected, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_allreduce_kernels_each_launcher(attention_lib, world, dtype, in_place):
+    """Both patterns through each launcher build (warp 32, wave64, wave32), a weight of the input's
+    dtype and Gemma's offset, in place (residual_out = residual_in, norm_out = input) and not."""
+    lib = attention_lib
+    tokens, hidden = 13, 520  # a share that does not divide, a row of 65 vectors
+    inputs = [rand((tokens, hidden), dtype, "cpu", seed=20 + r) for r in range(world)]
+    expected = allreduce_expected(inputs, None, None)
+    for two_shot in (False, True):
+        results = run_allreduce(lib, [x.clone() for x in inputs], [tokens], [two_shot], threads=64)
+        check_allreduce(results, expected, dtype)
+    residual = rand((tokens, hidden), dtype, "cpu", seed=19)
+    weight = rand((hidden,), dtype, "cpu", seed=18)
+    s = allreduce_expected(inputs, None, None)[0] + residual.double()
+    expected = [s, ref.rmsnorm(s, weight.double(), 1e-6, weight_offset=1.0)]
+    for two_shot in (False, True):
+        results = run_allreduce(lib, [x.clone() for x in inputs], [tokens], [two_shot],
+                                [residual.clone() for _ in range(world)], weight, threads=128, in_place=in_place,
+                                offset=1.0)
+        check_allreduce(results, expected, dtype)
+
+
+def random_calls(calls, world, cols, dtype, seed, special=False):
+    """Per-rank inputs of `calls` calls of 1..9 rows each (one after another), and the calls' rows and
+    engines (one-shot, two-shot, at random). special: -0.0 everywhere in one row, NaN in another."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(1, 10, (calls,), generator=g).tolist()
+    two_shot = torch.randint(0, 2, (calls,), generator=g).tolist()
+    inputs = [rand((sum(rows), cols), dtype, "cpu", seed=seed + 1 + r) for r in range(world)]
+    if special:
+        for x in inputs:
+            x[0] = -0.0
+            x[3, 5] = float("nan")
+    return inputs, rows, two_shot
+
+
+def check_calls(results, inputs, residual, weight, rows, dtype):
+    at = 0
+    for n in rows:  # every call's rows against its own reference
+        part = slice(at, at + n)
+        expected = allreduce_expected([x[part] for x in inputs], None if residual is None else residual[part], weight)
+        for rank in results:
+            for got, first in zip(rank, results[0]):
+                assert torch.equal(got[part].view(torch.int16), first[part].view(torch.int16))
+        for got, want in zip(results[0], expected):
+            torch.testing.assert_close(got[part].double(), want, **tolerance(dtype), equal_nan=True)
+            zero = want == 0  # -0.0 stays -0.0 (the all-reduce of a row of -0.0)
+            assert torch.equal(torch.signbit(got[part][zero]), torch.signbit(want[zero]))
+        at += n
+
+
+def many_calls(lib, calls, world, norm, seed=0, delays=None, blocks=2, threads=64):
+    """`calls` all-reduces in a row on the same workspaces, their shapes and engines mixed at random:
+    the barrier counts and the alternating regions carried from call to call, as in a replayed graph."""
+    dtype, cols = torch.bfloat16, 72
+    inputs, rows, two_shot = random_calls(calls, world, cols, dtype, seed, special=True)
+    residual = rand((sum(rows), cols), dtype, "cpu", seed=seed + 99) if norm else None
+    weight = rand((cols,), torch.float32, "cpu", seed=seed + 98) if norm else None
+    results = run_allreduce(lib, inputs, rows, two_shot, None if residual is None else
+                            [residual.clone() for _ in range(world)], weight, blocks=blocks, threads=threads, delays=delays,
+                            message_bytes=9 * cols * 2)
+    check_calls(results, inputs, residual, weight, rows, dtype)
+
+
+@pytest.mark.parametrize("world,norm", [(2, True), (4, False), (3, True)])
+def test_allreduce_kernels_1000_calls(emu, world, norm):
+    many_calls(emu, 1000, world, norm, seed=world)
+
+
+def test_allreduce_kernels_ranks_far_apart(attention_lib):
+    """One rank starts 0.3 s after another, one in between: the first ones wait, nothing is read early."""
+    many_calls(attention_lib, 20, 3, True, seed=7, delays=[300_000, 0, 100_000])
+
+
+def test_allreduce_kernels_grid_of_one_block(emu):
+    many_calls(emu, 30, 2, True, seed=5, blocks=1)
+
+
+@pytest.mark.tsan
+def test_allreduce_kernels_flag_protocol(emu):
+    """What tests/test_emulator_checks.py runs under ThreadSanitizer, where a peer's read of data that no
+    release / acquire pair ordered after its write is a race: 1000 calls in a row on two ranks (flag and
+    region reuse, the engines and shapes mixed), and ranks starting far apart on each launcher build."""
+    many_calls(emu, 1000, 2, True, seed=11, threads=32)  # a warp a block: TSan pays per GPU thread
+    many_calls(emu, 40, 4, False, seed=12, delays=[0, 200_000, 0, 50_000])
+
+
+@pytest.mark.tsan
+def test_allreduce_kernels_flag_protocol_hip(emu_wave64, emu_wave32):
+    for lib in (emu_wave64, emu_wave32):
+        many_calls(lib, 40, 3, True, seed=13, delays=[100_000, 0, 0])

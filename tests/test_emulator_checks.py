@@ -149,6 +149,39 @@ MUTANTS = {
         "      store16(&k_tile[tile_key * kPitch + c], make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]));",
         None, "test_kv_scores_kernel and cuda and float16-4-128", r"store16 \(a global store",
     ),
+    # the all-reduce's flag protocol (kernels/allreduce.cuh), each mutant a GPU failure seen in the field:
+    # a plain load of the flag where an acquire is needed (a peer's data read before it is visible)
+    "allreduce_missing_acquire": (
+        "include/flashkern/kernels/allreduce.cuh",
+        "int32_t(poll_acquire_system(mine) - count)", "int32_t(*const_cast<const volatile uint32_t*>(mine) - count)",
+        "thread", "test_allreduce_kernels_flag_protocol and not hip", r"ThreadSanitizer: data race",
+    ),
+    # one region for every call: a rank stages the next message where a slower peer still reads this one
+    "allreduce_one_region": (
+        "include/flashkern/kernels/allreduce.cuh",
+        "const int parity = int(calls & 1u);", "const int parity = 0;",
+        "thread", "test_allreduce_kernels_flag_protocol and not hip", r"ThreadSanitizer: data race",
+    ),
+    # the signal stored in this rank's own flags instead of the peer's: the peer waits for ever
+    "allreduce_signal_in_the_wrong_buffer": (
+        "include/flashkern/kernels/allreduce.cuh",
+        "comm_at(p, peer, CommLayout::flag(int(blockIdx.x), p.rank))",
+        "comm_at(p, p.rank, CommLayout::flag(int(blockIdx.x), p.rank))",
+        None, "test_allreduce_kernels_1000_calls and 2-True", r"flashkern emulation: a flag waited for longer",
+    ),
+    # the dependent launch allowed before the last store (the NaNs of an early PDL trigger)
+    "allreduce_dependent_launch_first": (
+        "include/flashkern/kernels/allreduce.cuh",
+        "  pdl_wait();  // the previous call on this stream has ended: its workspace reads included\n",
+        "  pdl_wait();\n  pdl_launch_dependents();\n",
+        None, "test_allreduce_kernels_1000_calls and 2-True", r"signalled after pdl_launch_dependents",
+    ),
+    # a launch grid that depends on the rank: a block waits for a peer block that never runs (a hang)
+    "allreduce_grid_depends_on_rank": (
+        "include/flashkern/kernels/allreduce.cuh",
+        "const dim3 grid(unsigned(p.blocks)),", "const dim3 grid(unsigned(p.blocks + p.rank)),",
+        None, "test_allreduce_kernels_1000_calls and 2-True", r"flashkern emulation: a flag waited for longer",
+    ),
     "no_shared_memory_opt_in": (
         "include/flashkern/kernels/batch_attention.cuh",
         "const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);", "const gpuError_t e = gpuSuccess;",

@@ -87,6 +87,13 @@ inline void define_schemas(torch::Library& m) {
   m.def(
       "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? scores, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kept, Tensor kept_indptr, Tensor out_indptr, Tensor out_indices) -> ()");
+  // tensor parallelism: every rank of a group calls it at once. peers: each rank's workspace (symmetric
+  // memory, ops.h: CommLayout), this rank's being `workspace`. residual_in None: out = the sum over the
+  // ranks of input; else residual_out = residual_in + the sum, norm_out = rmsnorm of it (fp32 sum).
+  m.def(
+      "allreduce_fusion(Tensor input, Tensor? residual_in, Tensor? weight, Tensor(a!)? out, Tensor(b!)? residual_out, "
+      "Tensor(c!)? norm_out, Tensor(d!) workspace, int[] peers, int rank, bool two_shot, float eps, "
+      "float weight_offset, bool enable_pdl=False) -> ()");
   // The gradient norm of many tensors at once (kernels/optim.cuh): the p-norm over all their elements
   // (norm_type 1, 2, any p > 0 or inf), each tensor's norm, with a max_norm the clip coefficients
   // min(1, max_norm / (norm + 1e-6)) of the total ([1]) or of each tensor (per_tensor; else [0]), and

@@ -10,8 +10,10 @@ residual add and the RMSNorm that follow it.
 
 Engines. ``"nccl"``: ``dist.all_reduce`` over the group's own backend (NCCL, RCCL, or gloo on the CPU),
 then flashkern's norm kernels; it works wherever torch.distributed does, and NCCL captures it in CUDA
-graphs. The one-shot and two-shot kernels over symmetric memory (``"symm_mem"``) are not built yet:
-asking for them raises ``ValueError``; ``"auto"`` is ``"nccl"`` until they are.
+graphs. The one-shot and two-shot kernels over symmetric memory (csrc/include/flashkern/kernels/
+allreduce.cuh, ``torch.ops.flashkern.allreduce_fusion``) are built; the workspace through
+torch.distributed's symmetric memory that routes calls to them is not written yet: ``"symm_mem"``
+raises ``ValueError`` and ``"auto"`` is ``"nccl"`` until it is.
 
 A workspace is collective: every rank of the group creates it with the same arguments, which it checks
 (a rank that disagrees raises on every rank instead of hanging later). Calls are collective too; the
@@ -79,7 +81,7 @@ def create_allreduce_fusion_workspace(backend="auto", world_size=None, rank=None
     """A workspace for :func:`allreduce_fusion` on ``group`` (default: the world), collective: every rank
     calls it with the same ``max_token_num``, ``hidden_dim`` and ``dtype``. ``world_size`` and ``rank``,
     if given, must be the group's. ``backend``: ``"auto"``, ``"nccl"`` (``dist.all_reduce``) or
-    ``"symm_mem"`` (not built yet: ``ValueError``); FlashInfer's ``"trtllm"`` and ``"mnnvl"`` name
+    ``"symm_mem"`` (not wired yet: ``ValueError``); FlashInfer's ``"trtllm"`` and ``"mnnvl"`` name
     NVIDIA-only engines and are refused. ``gpus_per_node``, ``comm_backend`` and
     ``force_oneshot_support`` are accepted and unused. ``debug=True``: every call checks that the ranks
     agree on its shapes (an all-gather) instead of hanging or reading past a peer's message."""
@@ -88,7 +90,7 @@ def create_allreduce_fusion_workspace(backend="auto", world_size=None, rank=None
     if backend not in ENGINES:
         raise ValueError(f"{op}: backend must be one of {ENGINES}, got {backend!r}")
     if backend == "symm_mem":
-        raise ValueError(f"{op}: the symmetric-memory one-shot / two-shot kernels are not built yet; use "
+        raise ValueError(f"{op}: the symmetric-memory workspace for the one-shot / two-shot kernels is not wired yet; use "
                          f"backend='nccl' or 'auto'")
     for name, value in (("max_token_num", max_token_num), ("hidden_dim", hidden_dim)):
         _positive_int(op, name, value)
@@ -197,7 +199,7 @@ def allreduce_fusion(input, workspace, pattern, launch_with_pdl=False, trigger_c
     norm_out (kARResidualRMSNorm) or output. ``fp32_acc``: the sum over the ranks in float32 (else in
     input's dtype, as the engine reduces it; the residual add and the norm are float32 either way).
     ``use_oneshot``, ``launch_with_pdl`` and ``trigger_completion_at_end`` choose among kernels that are
-    not built yet and are accepted as hints; the quantizing patterns and MoE arguments raise."""
+    not wired yet and are accepted as hints; the quantizing patterns and MoE arguments raise."""
     op = "allreduce_fusion"
     if not isinstance(workspace, AllReduceFusionWorkspace):
         raise TypeError(f"{op}: workspace must come from flashkern.comm.create_allreduce_fusion_workspace, got "

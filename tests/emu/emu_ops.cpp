@@ -2,9 +2,11 @@
 // -DFK_EMULATE, for tests/test_emulated_kernels.py: every pointer is host memory from torch CPU tensors.
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flashkern/ops.h"
@@ -301,6 +303,55 @@ const char* emu_launch_probe(int threads, int grid_y, int shared_bytes, int opt_
   FK_LAUNCH_SMEM(probe_kernel, grid, block, size_t(shared_bytes), nullptr)(&threads_run);
   if (const fk::gpuError_t e = fk::gpuGetLastError()) return fk::gpuGetErrorString(e);
   if (threads_run != threads * grid_y) return "the probe did not run on every block";
+  return nullptr;
+}
+
+// CommLayout's bytes of a workspace for messages of up to message_bytes.
+int64_t emu_comm_workspace_bytes(int64_t message_bytes) { return fk::CommLayout{message_bytes}.total_bytes(); }
+
+// The ranks of a tensor-parallel group, each on its own host thread, running `calls` all-reduces in
+// a row over the workspaces (one per rank, zeroed, CommLayout of message_bytes: peer memory here is
+// this process's). Call c uses rows[c] rows and two_shot[c]; every per-rank buffer holds the calls'
+// rows one after another (call c at the sum of the rows before it, times cols). residual_ins null:
+// all-reduce only, into outs; else residual_outs = outs and norm_outs (either may be the input:
+// in place). Rank r sleeps start_delay_us[r] before its first call. Returns the first error.
+const char* emu_allreduce(int world, void* const* workspaces, const void* const* inputs, const void* const* residual_ins,
+                          const void* weight, void* const* outs, void* const* norm_outs, int calls, const int64_t* rows,
+                          const uint8_t* two_shot, int64_t cols, int dtype, int weight_dtype, float eps, float offset,
+                          int64_t message_bytes, int blocks, int threads, const int64_t* start_delay_us) {
+  std::vector<const char*> errors(size_t(world), nullptr);
+  std::vector<std::thread> ranks;
+  const int64_t element = 2;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] {
+      std::this_thread::sleep_for(std::chrono::microseconds(start_delay_us[r]));
+      int64_t at = 0;  // bytes into each rank's buffers
+      for (int c = 0; c < calls && errors[size_t(r)] == nullptr; ++c) {
+        fk::AllReduceParams p{};
+        for (int i = 0; i < world; ++i) p.peers[i] = workspaces[i];
+        p.world = world, p.rank = r, p.message_bytes = message_bytes;
+        auto shift = [&](const void* base) { return base ? static_cast<const uint8_t*>(base) + at : nullptr; };
+        p.input = shift(inputs[r]);
+        p.residual_in = residual_ins ? shift(residual_ins[r]) : nullptr;
+        p.weight = weight;
+        void* out = const_cast<uint8_t*>(shift(outs[r]));
+        if (residual_ins) {
+          p.residual_out = out;
+          p.norm_out = const_cast<uint8_t*>(shift(norm_outs[r]));
+        } else {
+          p.out = out;
+        }
+        p.rows = rows[c], p.cols = cols, p.dtype = DType(dtype), p.weight_dtype = DType(weight_dtype);
+        p.eps = eps, p.weight_offset = offset, p.two_shot = two_shot[c] != 0;
+        p.blocks = blocks, p.threads = threads;
+        errors[size_t(r)] = fk::launch_allreduce(p, nullptr);
+        at += rows[c] * cols * element;
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (const char* e : errors)
+    if (e) return e;
   return nullptr;
 }
 

@@ -34,6 +34,10 @@
 //                   reported, as is any past a global buffer the caller allocated exactly.
 //   atomics         atomicAdd on 32- and 64-bit unsigned integers, atomics to ThreadSanitizer too
 //   address spaces  store16 (a global store, st.global on CUDA) to shared memory aborts, as it faults there
+//   ranks           the GPUs of a tensor-parallel group (kernels/allreduce.cuh) as concurrent launches,
+//                   each on its own host thread (launch state is thread_local), their flags C++ atomics of
+//                   the same orders, so TSan sees a GPU's release/acquire edges between ranks; a spin
+//                   past the watchdog (FK_EMU_WATCHDOG_SECONDS) aborts: on a GPU, a hang
 // Shared memory starts 0xff-filled (NaN as fp16, bf16 and fp32) in every block. The matrix
 // instructions compute with the fragment layouts of the PTX and AMD documentation (platform.h), in
 // fp32. Not emulated: timing, the hardware memory model beyond the orders above (a fence-based
@@ -48,6 +52,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -55,10 +60,12 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <thread>
 #include <vector>
 
 #if defined(__SANITIZE_THREAD__)
@@ -82,6 +89,8 @@ void AnnotateIgnoreReadsBegin(const char* file, int line);
 void AnnotateIgnoreReadsEnd(const char* file, int line);
 void AnnotateIgnoreWritesBegin(const char* file, int line);
 void AnnotateIgnoreWritesEnd(const char* file, int line);
+void AnnotateIgnoreSyncBegin(const char* file, int line);
+void AnnotateIgnoreSyncEnd(const char* file, int line);
 }
 #endif
 #if defined(FK_EMU_ASAN)
@@ -194,11 +203,26 @@ inline const char* error_string(int e) {
       return "unknown error";
   }
 }
-inline int last_error = kSuccess;                 // cudaGetLastError's: read and reset
+inline thread_local int last_error = kSuccess;    // cudaGetLastError's: read and reset, per host thread
 inline std::map<const void*, int> shared_opt_in;  // kernel -> the dynamic shared memory it was allowed
 // kernel -> the largest block it was launched with. A host compiler cannot see __launch_bounds__;
 // tests/test_kernel_build.py holds these against the bounds nvcc wrote into the PTX (.maxntid).
 inline std::map<const void*, unsigned> largest_block;
+// shared_opt_in and largest_block from any host thread (the ranks of a group launch at once, each
+// from its own): a lock that ThreadSanitizer does not take for an order between their kernels.
+inline std::mutex launch_records;
+struct RecordsLock {
+  Untracked untracked;
+#if defined(FK_EMU_TSAN)
+  RecordsLock() { AnnotateIgnoreSyncBegin(__FILE__, __LINE__), launch_records.lock(); }
+  ~RecordsLock() { launch_records.unlock(), AnnotateIgnoreSyncEnd(__FILE__, __LINE__); }
+#else
+  RecordsLock() { launch_records.lock(); }
+  ~RecordsLock() { launch_records.unlock(); }
+#endif
+  RecordsLock(const RecordsLock&) = delete;
+  RecordsLock& operator=(const RecordsLock&) = delete;
+};
 
 // false for a device this build does not emulate (a CUDA build emulates NVIDIA devices, HIP AMD).
 inline bool set_device(const char* name) {
@@ -214,6 +238,7 @@ inline bool set_device(const char* name) {
 template <typename Kernel>
 int set_max_dynamic_shared(Kernel kernel, int bytes) {
   if (bytes < 0 || bytes > device.max_shared) return last_error = kInvalidValue;  // also the last error, as CUDA's
+  const RecordsLock lock;
   shared_opt_in[reinterpret_cast<const void*>(kernel)] = bytes;
   return kSuccess;
 }
@@ -225,6 +250,7 @@ inline int launch_error(const void* kernel, dim3 grid, dim3 block, size_t shared
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
     return kInvalidConfiguration;
   size_t limit = device.shared_opt_in ? kDefaultSharedLimit : size_t(device.max_shared);
+  const RecordsLock lock;
   if (device.shared_opt_in) {
     const auto raised = shared_opt_in.find(kernel);
     if (raised != shared_opt_in.end() && size_t(raised->second) > limit) limit = size_t(raised->second);
@@ -273,6 +299,7 @@ struct Thread : Context {
   Barrier* warp = nullptr;
   std::vector<AsyncCopy> async_copies;  // in flight, oldest first
   uint64_t commits = 0;
+  bool dependents_launched = false;  // pdl_launch_dependents() called
 };
 
 // Per block: fresh barriers (TSan keys synchronization by address), fresh shared memory.
@@ -289,15 +316,17 @@ struct Block {
   uint64_t rng = 0;
 };
 
-inline dim3 grid_dim, block_dim;
-inline std::vector<Thread> threads;
-inline Context host;
-inline Block* this_block = nullptr;
-inline std::atomic<Thread*> running{nullptr};  // read by kernel code, hence atomic (TSan)
-inline std::vector<float> shuffle_slots;
-inline std::vector<std::array<uint32_t, 8>> word_slots;  // operands of the emulated matrix instructions
-inline std::vector<const void*> pointer_slots;           // ldmatrix row addresses
-inline int launch_end;  // TSan: every block of a launch before what the host does after it
+// A launch's state belongs to the host thread that runs it: ranks of a group (kernels/allreduce.cuh)
+// launch at once, each from its own host thread.
+inline thread_local dim3 grid_dim, block_dim;
+inline thread_local std::vector<Thread> threads;
+inline thread_local Context host;
+inline thread_local Block* this_block = nullptr;
+inline thread_local std::atomic<Thread*> running{nullptr};  // read by kernel code, hence atomic (TSan)
+inline thread_local std::vector<float> shuffle_slots;
+inline thread_local std::vector<std::array<uint32_t, 8>> word_slots;  // operands of the emulated matrix instructions
+inline thread_local std::vector<const void*> pointer_slots;           // ldmatrix row addresses
+inline thread_local int launch_end;  // TSan: every block of a launch before what the host does after it
 
 inline Thread& me() { return *running.load(std::memory_order_relaxed); }
 inline unsigned linear_thread() {
@@ -326,7 +355,7 @@ inline int libc_swapcontext(ucontext_t* from, const ucontext_t* to) {
   return swap(from, to);
 }
 
-inline Context* switching_from = nullptr;
+inline thread_local Context* switching_from = nullptr;
 inline void jump(Context& from, Context& to, bool from_finished) {
   void* to_stack;
   size_t to_stack_bytes;
@@ -415,7 +444,7 @@ inline void warp_sync() {
 }
 
 // The body of every GPU thread: the kernel, then the end of its part of the block.
-inline void (*block_body)() = nullptr;
+inline thread_local void (*block_body)() = nullptr;
 inline void thread_main() {
 #if defined(FK_EMU_ASAN)
   const void* from_stack = nullptr;
@@ -440,7 +469,7 @@ inline void thread_main() {
 // Thread t's stack: one mapping per thread index, kept from block to block, except under TSan,
 // where each block's threads get new mappings (TSan would take a stack reused by another of its
 // threads for shared memory).
-inline std::vector<void*> stacks;
+inline thread_local std::vector<void*> stacks;
 inline void* stack_of(unsigned t) {
   if (stacks.size() <= t) stacks.resize(t + 1, nullptr);
   if (stacks[t] == nullptr) {
@@ -463,7 +492,7 @@ inline void release_stack(unsigned t) {
 // destroyed fiber's slot goes to the next fiber created, which TSan then takes as ordered after all
 // that the old one did (and TSan allows 8128 threads, so not every block's can stay). Races are
 // seen between consecutive blocks; TSan's 255 slots, shared in turn, bound it further (see the top).
-inline std::vector<void*> previous_block_fibers;
+inline thread_local std::vector<void*> previous_block_fibers;
 inline void destroy_fibers(std::vector<void*>& fibers) {
 #if defined(FK_EMU_TSAN)
   for (void* fiber : fibers) __tsan_destroy_fiber(fiber);
@@ -497,6 +526,7 @@ inline void run_block(unsigned linear_block, uint64_t serial, size_t dynamic_sha
       th.warp = &this_block->warps[t / device.warp_size];
       th.async_copies.clear();
       th.commits = 0;
+      th.dependents_launched = false;
       th.stack_bytes = Thread::kStackBytes;
       th.stack = stack_of(t);
       getcontext(&th.uc);
@@ -545,12 +575,15 @@ struct Launcher {
       last_error = e;
       return;
     }
-    unsigned& largest = largest_block[address];
-    largest = std::max(largest, block.x * block.y * block.z);
+    {
+      const RecordsLock lock;
+      unsigned& largest = largest_block[address];
+      largest = std::max(largest, block.x * block.y * block.z);
+    }
     if (this_block != nullptr) fail("a kernel launched from inside a kernel");
-    static uint64_t serial = 0;
-    static void (*launched)(Params...);
-    static std::tuple<std::decay_t<Args>...>* arguments;
+    static thread_local uint64_t serial = 0;
+    static thread_local void (*launched)(Params...);
+    static thread_local std::tuple<std::decay_t<Args>...>* arguments;
     std::tuple<std::decay_t<Args>...> copy(args...);
     {
       Untracked untracked;
@@ -692,6 +725,42 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
+
+// ---- platform.h's flags between the GPUs of a group ----
+// The ranks of a group run at once, each launch on its own host thread (tests/emu/emu_ops.cpp:
+// emu_allreduce), over one process's memory standing for the peer-mapped buffers. The flags are
+// C++ atomics with the same orders, so ThreadSanitizer sees exactly the happens-before edges a GPU's
+// release and acquire give: a peer's read of data that no flag ordered after its write is a race.
+namespace fk::emu {
+inline double watchdog_seconds() {
+  const char* s = std::getenv("FK_EMU_WATCHDOG_SECONDS");
+  return s ? std::strtod(s, nullptr) : 20.0;
+}
+inline thread_local std::chrono::steady_clock::time_point spin_started;
+}  // namespace fk::emu
+
+namespace fk {
+inline void signal_release_system(uint32_t* p, uint32_t v) {
+  {
+    emu::Untracked untracked;
+    if (emu::me().dependents_launched)
+      emu::fail("a peer signalled after pdl_launch_dependents: the dependent launch must follow the last store");
+  }
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+inline uint32_t poll_acquire_system(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void fence_system() {}
+// n: the spin's iteration, 0 first. A spin longer than the watchdog (FK_EMU_WATCHDOG_SECONDS, 20 s)
+// is a hang on a GPU: a peer that never signals, or waits for another count.
+inline void spin_pause(uint32_t n) {
+  emu::Untracked untracked;
+  const auto now = std::chrono::steady_clock::now();
+  if (n == 0) emu::spin_started = now;
+  if (std::chrono::duration<double>(now - emu::spin_started).count() > emu::watchdog_seconds())
+    emu::fail("a flag waited for longer than the watchdog allows: on a GPU, a hang");
+  std::this_thread::yield();
+}
+}  // namespace fk
 
 namespace fk {
 using gpuStream_t = void*;

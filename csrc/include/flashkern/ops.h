@@ -399,6 +399,73 @@ struct KvCompactParams {
   DType dtype;                   // f16 or bf16
 };
 
+// ---- tensor parallelism: all-reduce (+ residual add + RMSNorm) over symmetric memory ----
+// Every rank of a group runs the kernel at once on its own GPU; each reads its peers' workspaces
+// (peer-mapped symmetric memory, kernels/allreduce.cuh). A workspace, the same on every rank:
+//   [0, 2 KB)      flags[kCommMaxBlocks][kCommMaxRanks], uint32: written by the peers (block b of
+//                  rank s stores its barrier count into flags[b][s] of every other rank)
+//   [2 KB, 2.5 KB) state[kCommMaxBlocks][2], uint32: block b's own barrier count and call count
+//   [4 KB, ...)    two regions, used by alternate calls, each a stage (this rank's input, read by
+//                  the peers) of message_bytes and, for two-shot, the reduced rows it owns (its
+//                  results, read by the peers) of 2 * message_bytes
+// All zero when made. A call's launch grid is kCommBlocks whatever the shapes or the rank, so every
+// block's counts stay equal across blocks and ranks (the alternation follows the call count).
+inline constexpr int kCommMaxRanks = 8;
+inline constexpr int kCommMaxBlocks = 64;
+inline constexpr int64_t kCommHeaderBytes = 4096;
+inline constexpr int kCommMaxVecsPerThread = 4;  // a row of up to threads * 4 16-byte vectors, in registers
+
+struct CommLayout {
+  int64_t message_bytes;  // the largest message (tokens x hidden x element size), a multiple of 16
+  FK_HOST_DEVICE static constexpr int64_t round16(int64_t b) { return (b + 15) / 16 * 16; }
+  FK_HOST_DEVICE constexpr int64_t region_bytes() const { return 3 * message_bytes; }
+  FK_HOST_DEVICE constexpr int64_t stage(int parity) const { return kCommHeaderBytes + parity * region_bytes(); }
+  FK_HOST_DEVICE constexpr int64_t results(int parity) const { return stage(parity) + message_bytes; }
+  FK_HOST_DEVICE constexpr int64_t total_bytes() const { return kCommHeaderBytes + 2 * region_bytes(); }
+  FK_HOST_DEVICE static constexpr int64_t flag(int block, int rank) { return 4 * (int64_t(block) * kCommMaxRanks + rank); }
+  FK_HOST_DEVICE static constexpr int64_t state(int block) { return 2048 + 8 * int64_t(block); }
+};
+
+// Pattern: residual_in == nullptr: out = sum over the ranks of input; else residual_out =
+// residual_in + that sum (fp32, rounded once) and norm_out = rmsnorm of the unrounded fp32 sum
+// (out, if given, also gets the sum). Rows of `cols` elements, contiguous, cols a multiple of 8;
+// the sum is fp32, in rank order, so every rank gets the same bits. Outputs may alias inputs
+// (residual_out == residual_in, norm_out == input: in place).
+struct AllReduceParams {
+  void* peers[kCommMaxRanks];  // every rank's workspace, this rank's included, at the same layout
+  int world, rank;
+  int64_t message_bytes;       // the workspace's CommLayout
+  const void* input;           // [rows, cols] dtype, this rank's addend
+  const void* residual_in;     // [rows, cols] dtype, the same on every rank; nullptr: all-reduce only
+  const void* weight;          // [cols] weight_dtype
+  void* out;                   // [rows, cols] dtype, or nullptr
+  void* residual_out;          // [rows, cols] dtype
+  void* norm_out;              // [rows, cols] dtype
+  int64_t rows, cols;
+  DType dtype, weight_dtype;   // dtype f16 or bf16
+  float eps, weight_offset;
+  bool two_shot;               // reduce-scatter + all-gather (else one-shot: every rank reads every row)
+  bool pdl;
+  int blocks, threads;         // comm_plan(): never the rank's
+};
+
+// The launch of every call: kCommBlocks blocks of `threads`, a pure function of cols. Tests
+// emulate with fewer blocks and threads (any blocks <= kCommMaxBlocks, threads a multiple of the
+// warp, <= 1024), the same on every rank.
+inline constexpr int kCommBlocks = 32;
+inline constexpr int kCommThreads = 512;
+FK_HOST_DEVICE constexpr bool comm_fits(int64_t cols, int threads) {
+  return cols > 0 && cols % 8 == 0 && cols <= int64_t(threads) * 8 * kCommMaxVecsPerThread;
+}
+// The fewest threads (128, 256 or 512: whole wave64s) whose registers hold a row of cols.
+FK_HOST_DEVICE constexpr int comm_threads(int64_t cols) {
+  return comm_fits(cols, 128) ? 128 : comm_fits(cols, 256) ? 256 : kCommThreads;
+}
+// The message a workspace of `bytes` holds (CommLayout::total_bytes inverted), 0 if none.
+FK_HOST_DEVICE constexpr int64_t comm_message_bytes(int64_t bytes) {
+  return bytes <= kCommHeaderBytes ? 0 : (bytes - kCommHeaderBytes) / 6 / 16 * 16;
+}
+
 const char* launch_grad_norm(const GradNormParams& p, void* stream);
 const char* launch_adamw(const AdamWParams& p, void* stream);
 
@@ -417,5 +484,6 @@ const char* launch_speculative(const SpeculativeParams& p, void* stream);
 const char* launch_kv_scores(const KvScoresParams& p, void* stream);
 const char* launch_kv_select(const KvSelectParams& p, void* stream);
 const char* launch_kv_compact(const KvCompactParams& p, void* stream);
+const char* launch_allreduce(const AllReduceParams& p, void* stream);
 
 }  // namespace fk

@@ -37,6 +37,10 @@
 //                                              wave64), or none (simt: RDNA, older CDNA)
 //   fk::ldmatrix_x4[_trans], fk::mma_m16n8k16<T>, fk::mfma_16x16x16<T>
 //                                              those instructions, 16-bit inputs, fp32 accumulators
+//   fk::signal_release_system(p, v) / fk::poll_acquire_system(p) / fk::spin_pause(n) / fk::fence_system()
+//                                              flags between GPUs (kernels/allreduce.cuh): a 32-bit
+//                                              store with release and a load with acquire semantics at
+//                                              system scope, a pause in a spin (emulate.h: a watchdog)
 #pragma once
 
 #include <atomic>
@@ -154,7 +158,7 @@ inline constexpr bool kHipBuild = false;
 #define FK_LAUNCH_SMEM(kernel, grid, block, smem, stream) ::fk::emu::launcher(kernel, grid, block, smem)
 #define FK_DYNAMIC_SHARED(name) uint8_t* name = ::fk::emu::dynamic_shared()
 #define FK_STATIC_SHARED(type, name, dims)            \
-  static ::fk::emu::StaticShared fk_shared_##name;    \
+  static thread_local ::fk::emu::StaticShared fk_shared_##name; \
   type(&name) dims = *reinterpret_cast<type(*) dims>(fk_shared_##name.get(sizeof(type dims)))
 #else
 #define FK_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
@@ -171,7 +175,8 @@ inline constexpr bool kHipBuild = false;
 // then finished and its writes are visible; without PDL it returns at once), and the kernels that
 // can be launched so call pdl_launch_dependents() once they have read their inputs, which lets the
 // next kernel in the stream begin launching (its own wait still holds it until this grid is done).
-// HIP has no PDL, and the emulator runs each launch to its end before the next: both are no-ops there.
+// HIP has no PDL, and the emulator runs each launch to its end before the next: both are no-ops there
+// (the emulator only notes the call, for signal_release_system).
 #if defined(FK_GPU)
 // a / b within 2 ulp (0 for |b| > 2^126): one reciprocal on the GPU instead of the IEEE
 // division's subroutine, which cost the decode kernel a spill.
@@ -191,6 +196,9 @@ FK_DEVICE void pdl_wait() {
 FK_DEVICE void pdl_launch_dependents() {
 #if defined(FK_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");  // orders no memory: the dependent's wait covers all of it
+#elif defined(FK_EMU)
+  ::fk::emu::Untracked untracked;
+  ::fk::emu::me().dependents_launched = true;  // signal_release_system refuses to follow it
 #endif
 }
 #endif
@@ -451,6 +459,48 @@ FK_DEVICE void mfma_16x16x16(float (&d)[4], const uint32_t (&a)[2], const uint32
   d[0] = acc[0], d[1] = acc[1], d[2] = acc[2], d[3] = acc[3];
 #else
   trap();
+#endif
+}
+#endif
+
+// ---- flags between the GPUs of a group (peer-mapped memory; kernels/allreduce.cuh) ----
+// A release store makes what its thread wrote, and what __syncthreads ordered before it, visible to
+// every GPU before the value; an acquire load that sees the value orders the loads after it (and,
+// through a __syncthreads, the block's) after those writes. System scope: the peers are other GPUs.
+#if defined(FK_GPU) && !defined(FK_EMU)
+FK_DEVICE void signal_release_system(uint32_t* p, uint32_t v) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#elif defined(FK_HIP)
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  *p = v;
+#endif
+}
+FK_DEVICE uint32_t poll_acquire_system(const uint32_t* p) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#elif defined(FK_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  return *p;
+#endif
+}
+// Every thread's stores out to system scope. HIP: the release of one thread covers only its own
+// stores there, so each thread fences before the __syncthreads that precedes the signal; CUDA's
+// release is cumulative over the barrier and needs none.
+FK_DEVICE void fence_system() {
+#if defined(FK_HIP)
+  __threadfence_system();
+#endif
+}
+FK_DEVICE void spin_pause(uint32_t) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS) && __CUDA_ARCH__ >= 700
+  __nanosleep(32);
+#elif defined(FK_HIP) && defined(FK_DEVICE_PASS)
+  __builtin_amdgcn_s_sleep(1);
 #endif
 }
 #endif
