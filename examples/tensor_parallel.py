@@ -47,6 +47,10 @@ class TensorParallelLlama:
         kv_rows = slice(rank * self.kv_heads * self.head_dim, (rank + 1) * self.kv_heads * self.head_dim)
         width = cfg.intermediate_size // world
         mlp = slice(rank * width, (rank + 1) * width)
+        # collective: every rank makes it. "auto": the fused kernels where they run (GPUs, float16 / bfloat16),
+        # else dist.all_reduce + flashkern's norm (this float32 model, gloo on the CPU)
+        self.workspace = comm.create_allreduce_fusion_workspace(max_token_num=cfg.max_position_embeddings,
+                                                                hidden_dim=cfg.hidden_size, dtype=model.dtype)
         self.layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -71,9 +75,10 @@ class TensorParallelLlama:
             q, k = flashkern.apply_rope_with_cos_sin_cache(positions, q, k, self.head_dim, self.cos_sin)
             attn = flashkern.single_prefill_with_kv_cache(q, k, v, causal=True).reshape(len(tokens), -1)
             h = attn @ w["o"].t()  # a partial sum: this rank's heads
-            comm.fused_allreduce_add_rmsnorm(h, residual, post_norm, self.eps)  # residual += sum; h = norm
+            # residual += the sum over the ranks; h = rmsnorm(residual)
+            comm.fused_allreduce_add_rmsnorm(h, residual, post_norm, self.eps, workspace=self.workspace)
             h = flashkern.silu_and_mul(torch.cat([h @ w["gate"].t(), h @ w["up"].t()], -1)) @ w["down"].t()
-            comm.fused_allreduce_add_rmsnorm(h, residual, next_norm, self.eps)
+            comm.fused_allreduce_add_rmsnorm(h, residual, next_norm, self.eps, workspace=self.workspace)
         return self.model.lm_head(h[-1])
 
     def generate(self, prompt, new_tokens):
@@ -101,8 +106,8 @@ def main(new_tokens=12):
             whole = model.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False,
                                    pad_token_id=0)[0, len(prompt):]
             verdict = "matches" if torch.equal(ours, whole) and gap < 1e-4 else "differs from"
-            print(f"tensor parallel over {world} ranks: {ours.tolist()} {verdict} generate() {whole.tolist()} "
-                  f"(next-token logits {gap:.1e} apart)")
+            print(f"tensor parallel over {world} ranks: {ours.tolist()} {verdict} generate() "
+                  f"{whole.tolist()} (next-token logits {gap:.1e} apart; engine {tp.workspace.engine})")
             return verdict == "matches"
         return True
     finally:

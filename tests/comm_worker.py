@@ -107,14 +107,14 @@ def disagreeing_workspace(rank, world, failures, sums):
             failures.append(f"wrong error for a disagreeing workspace: {e}")
 
 
-def compiled(rank, world, failures, sums):
+def compiled(rank, world, failures, sums, workspace=None, case=300):
     """torch.compile(fullgraph=True) of a layer's end (the op between two matmuls): the same bits as eager."""
-    xs, residual, weight = inputs(300, world, 7, 1024, torch.bfloat16)
-    proj = rand((1024, 1024), torch.bfloat16, 301) / 32
+    xs, residual, weight = inputs(case, world, 7, 1024, torch.bfloat16)
+    proj = rand((1024, 1024), torch.bfloat16, case + 1) / 32
 
     def layer_end(x, res):
         h = x @ proj
-        comm.fused_allreduce_add_rmsnorm(h, res, weight)
+        comm.fused_allreduce_add_rmsnorm(h, res, weight, workspace=workspace)
         return h, res
 
     eager = layer_end(xs[rank].clone(), residual.clone())
@@ -125,7 +125,96 @@ def compiled(rank, world, failures, sums):
     sums += [checksum(t) for t in got]
 
 
-SCENARIOS = {"compiled": compiled, "fused": fused, "flashinfer_api": flashinfer_api, "disagreeing_workspace": disagreeing_workspace}
+def kernels(rank, world, failures, sums):
+    """The symmetric-memory engine on the emulated kernels (FLASHKERN_BACKEND=emulate: the workspace is a file
+    in shared memory a rank, mapped into every rank): one-shot and two-shot, both patterns and the plain op,
+    against float64, every rank the same bits; auto leaves a float32 call and one past its cap to gloo."""
+    import flashkern
+
+    flashkern.set_backend("emulate")
+    P = comm.AllReduceFusionPattern
+    spaces = {dtype: comm.create_allreduce_fusion_workspace("symm_mem", world, rank, max_token_num=33,
+                                                            hidden_dim=1024, dtype=dtype)
+              for dtype in (torch.bfloat16, torch.float16)}
+    for ws in spaces.values():
+        if ws.engine != "symm_mem" or len(ws.peers) != world or ws.peers[rank] != ws.buffer.data_ptr():
+            failures.append(f"symm_mem workspace: engine {ws.engine}, {len(ws.peers)} peers")
+            return
+    for case, (tokens, one_shot, bias, dtype) in enumerate([(33, True, 0.0, torch.bfloat16),
+                                                            (33, False, 1.0, torch.bfloat16),
+                                                            (1, False, 0.0, torch.float16),
+                                                            (5, True, 0.0, torch.float16)], start=400):
+        xs, residual, weight = inputs(case, world, tokens, 1024, dtype)
+        total, summed, normed = expected(xs, residual, weight, 1e-5, bias)
+        poison = lambda: torch.full_like(residual, float("nan"))  # noqa: E731
+        ws = spaces[dtype]
+        out = comm.allreduce_fusion(xs[rank], ws, P.kAllReduce, use_oneshot=one_shot, output=poison())
+        close(failures, f"kAllReduce {tokens} one_shot={one_shot}", out, total, dtype)
+        res_out, norm_out, ar_out = poison(), poison(), poison()
+        comm.allreduce_fusion(xs[rank], ws, P.kARResidualRMSNorm, output=ar_out, residual_in=residual,
+                              residual_out=res_out, norm_out=norm_out, rms_gamma=weight, rms_eps=1e-5,
+                              use_oneshot=one_shot, weight_bias=bias)
+        close(failures, f"output {tokens} one_shot={one_shot}", ar_out, total, dtype)
+        close(failures, f"residual_out {tokens} one_shot={one_shot}", res_out, summed, dtype)
+        close(failures, f"norm_out {tokens} one_shot={one_shot} bias {bias}", norm_out, normed, dtype)
+        sums += [checksum(t) for t in (out, ar_out, res_out, norm_out)]
+    xs, residual, weight = inputs(410, world, 9, 1024, torch.bfloat16)  # the plain op, in place, a strided residual
+    _, summed, normed = expected(xs, residual, weight, 1e-6)
+    x, res = xs[rank].clone(), torch.empty(1024, 9, dtype=torch.bfloat16).t().copy_(residual)
+    comm.fused_allreduce_add_rmsnorm(x, res, weight, workspace=spaces[torch.bfloat16])
+    close(failures, "fused residual", res, summed, torch.bfloat16)
+    close(failures, "fused norm", x, normed, torch.bfloat16)
+    sums += [checksum(res), checksum(x)]
+    comm.AUTO_MAX_MESSAGE_BYTES = 4 * 1024 * 2  # auto: 4 tokens of 1024 take the kernels, more take gloo
+    auto = comm.create_allreduce_fusion_workspace("auto", max_token_num=16, hidden_dim=1024, dtype=torch.bfloat16)
+    wide = comm.create_allreduce_fusion_workspace("auto", max_token_num=16, hidden_dim=1024, dtype=torch.float32)
+    if (auto.engine, auto.message_bytes, wide.engine) != ("symm_mem", 4 * 1024 * 2, "nccl"):
+        failures.append(f"auto chose {auto.engine} ({auto.message_bytes} bytes), float32 {wide.engine}")
+    for tokens in (4, 16):
+        xs, residual, weight = inputs(420 + tokens, world, tokens, 1024, torch.bfloat16)
+        total, _, _ = expected(xs, residual, weight, 1e-6)
+        out = comm.allreduce_fusion(xs[rank], auto, P.kAllReduce, fp32_acc=True)
+        close(failures, f"auto kAllReduce {tokens}", out, total, torch.bfloat16)
+    try:
+        comm.allreduce_fusion(torch.zeros(2, 1024), auto, P.kAllReduce)
+        failures.append("a float32 call on a bfloat16 workspace did not raise")
+    except TypeError:
+        pass
+    ws = spaces[torch.bfloat16]
+    ws.destroy()
+    try:
+        comm.allreduce_fusion(xs[rank], ws, P.kAllReduce)
+        failures.append("a destroyed workspace took a call")
+    except ValueError:
+        pass
+
+
+def kernels_unavailable(rank, world, failures, sums):
+    """Without the emulation CPU tensors have no kernels: auto falls back to gloo and says why; a forced
+    symm_mem raises on every rank."""
+    auto = comm.create_allreduce_fusion_workspace(max_token_num=4, hidden_dim=1024, dtype=torch.bfloat16)
+    if auto.engine != "nccl" or "FLASHKERN_BACKEND=emulate" not in (auto.fallback_reason or ""):
+        failures.append(f"auto on CPU: {auto.engine} ({auto.fallback_reason})")
+    try:
+        comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=4, hidden_dim=1024, dtype=torch.bfloat16)
+        failures.append("a forced symm_mem without kernels did not raise")
+    except ValueError as e:
+        if "cannot run here" not in str(e):
+            failures.append(f"wrong error for symm_mem without kernels: {e}")
+
+
+def compiled_kernels(rank, world, failures, sums):
+    """The same on the emulated kernels."""
+    import flashkern
+
+    flashkern.set_backend("emulate")
+    ws = comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=7, hidden_dim=1024, dtype=torch.bfloat16)
+    compiled(rank, world, failures, sums, workspace=ws, case=500)
+
+
+SCENARIOS = {"kernels": kernels, "kernels_unavailable": kernels_unavailable, "compiled_kernels": compiled_kernels,
+             "compiled": compiled, "fused": fused, "flashinfer_api": flashinfer_api,
+             "disagreeing_workspace": disagreeing_workspace}
 
 
 def main():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close, subprocess_limit
+from conftest import assert_close, poisoned, rand, requires_gpu, subprocess_limit
 
-from flashkern import comm
+from flashkern import comm, ref
 
 WORKER = Path(__file__).resolve().parent / "comm_worker.py"
 
@@ -111,7 +111,8 @@ def test_single_process_group(tmp_path):
             comm.allreduce_fusion(torch.zeros(2, 1024, dtype=torch.bfloat16), ws, 2)
         with pytest.raises(ValueError, match="needs residual_in"):
             comm.allreduce_fusion(torch.zeros(2, 1024, dtype=torch.bfloat16), ws, 1)
-        with pytest.raises(ValueError, match="not wired yet"):
+        assert (ws.engine, ws.fallback_reason) == ("nccl", "a group of one")
+        with pytest.raises(ValueError, match="cannot run here: rank 0: CPU tensors"):
             comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=8, hidden_dim=1024, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="residual must have shape"):
             comm.fused_allreduce_add_rmsnorm(x, residual[:2], weight)
@@ -119,6 +120,68 @@ def test_single_process_group(tmp_path):
             comm.fused_allreduce_add_rmsnorm(x, residual, weight[:10])
     finally:
         dist.destroy_process_group()
+
+
+def test_symmetric_memory_group_of_one(tmp_path):
+    """backend="symm_mem" on one rank: the workspace mapped from shared memory and the emulated kernels, one-shot
+    and two-shot, the in-place op on non-contiguous tensors, and a call the forced kernels cannot take."""
+    pytest.importorskip("flashkern._emulate")
+    import torch.distributed as dist
+
+    import flashkern
+
+    previous = flashkern.set_backend("emulate")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ws = comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=6, hidden_dim=1024, dtype=torch.bfloat16)
+        assert ws.engine == "symm_mem" and ws.peers == [ws.buffer.data_ptr()]
+        assert ws.buffer.numel() == comm.workspace_bytes(6 * 1024 * 2) and int(ws.buffer.sum()) == 0
+        x = torch.randn(1024, 5, generator=torch.Generator().manual_seed(3)).bfloat16().t()
+        residual = torch.randn(5, 1024, generator=torch.Generator().manual_seed(4)).bfloat16()
+        weight = torch.rand(1024) + 0.5
+        summed = residual.double() + x.double()
+        want = ref.rmsnorm(summed, weight.double(), 1e-6)
+        for one_shot in (True, False):
+            out = comm.allreduce_fusion(x.contiguous(), ws, 0, use_oneshot=one_shot)
+            assert torch.equal(out, x)
+        comm.fused_allreduce_add_rmsnorm(x, residual, weight, workspace=ws)
+        assert_close(residual, summed, torch.bfloat16)
+        assert_close(x, want, torch.bfloat16)
+        with pytest.raises(ValueError, match="does not fit"):
+            comm.allreduce_fusion(torch.zeros(7, 1024, dtype=torch.bfloat16), ws, 0)
+        with pytest.raises(TypeError, match="use_oneshot"):
+            comm.allreduce_fusion(torch.zeros(2, 1024, dtype=torch.bfloat16), ws, 0, use_oneshot=1)
+        with pytest.raises(ValueError, match="cannot run here: rank 0: the kernels take float16 and bfloat16"):
+            comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=6, hidden_dim=1024, dtype=torch.float32)
+        with pytest.raises(ValueError, match="multiple of 8 up to 16384"):
+            comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=6, hidden_dim=1028, dtype=torch.float16)
+    finally:
+        dist.destroy_process_group()
+        flashkern.set_backend(previous)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_symmetric_memory_engine_on_the_emulated_kernels(world, tmp_path):
+    """Processes on gloo, each rank's workspace a shared-memory file mapped into every rank, the emulated kernels
+    (tests/comm_worker.py's kernels scenario)."""
+    pytest.importorskip("flashkern._emulate")
+    reports = run_ranks(world, "kernels", tmp_path, alone_seconds=60)
+    for r, report in enumerate(reports):
+        assert report["failures"] == [], f"rank {r}: {report['failures']}"
+    assert all(report["checksums"] == reports[0]["checksums"] for report in reports)
+    assert len(reports[0]["checksums"]) == 4 * 4 + 2
+
+
+def test_symmetric_memory_unavailable_falls_back_or_raises(tmp_path):
+    reports = run_ranks(2, "kernels_unavailable", tmp_path, alone_seconds=5)
+    assert [report["failures"] for report in reports] == [[], []]
+
+
+def test_kernels_engine_under_torch_compile(tmp_path):
+    pytest.importorskip("flashkern._emulate")
+    reports = run_ranks(2, "compiled_kernels", tmp_path, alone_seconds=60)
+    assert [report["failures"] for report in reports] == [[], []]
+    assert reports[0]["checksums"] == reports[1]["checksums"]
 
 
 def test_without_torch_distributed():
@@ -149,7 +212,83 @@ def test_allreduce_kernel_op_on_one_rank(two_shot):
     with pytest.raises(ValueError, match="does not fit the workspace"):
         op(torch.zeros(6, 1024).bfloat16(), None, None, torch.zeros(6, 1024).bfloat16(), None, None, workspace,
            [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)
-    with pytest.raises(ValueError, match="peers\\[rank\\] must be this rank's workspace"):
-        op(x, None, None, out, None, None, workspace, [workspace.data_ptr() + 16], 0, two_shot, 1e-6, 0.0)
+    # tensors that do not start on 16 bytes: the glue reads and writes through aligned copies (the in-place form)
+    shifted = lambda t: torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)  # noqa: E731
+    x_in, res_in, w_in = shifted(x), shifted(residual), shifted(weight)
+    assert x_in.data_ptr() % 16 and res_in.data_ptr() % 16 and w_in.data_ptr() % 16
+    op(x_in, res_in, w_in, None, res_in, x_in, workspace, [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)
+    assert_close(res_in, s, torch.bfloat16)
+    assert_close(x_in, ref.rmsnorm(s, weight.double(), 1e-6), torch.bfloat16)
+    out.fill_(float("nan"))  # peers[rank] is not read: this rank's workspace is the tensor given
+    op(x, None, None, out, None, None, workspace, [workspace.data_ptr() + 16], 0, two_shot, 1e-6, 0.0)
+    assert torch.equal(out, x)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         op(x.float(), None, None, out.float(), None, None, workspace, [workspace.data_ptr()], 0, two_shot, 1e-6, 0.0)
+
+
+@requires_gpu
+def test_symmetric_memory_on_one_gpu_in_a_cuda_graph():
+    """The issue's single-GPU check: torch's symmetric memory for a group of one (an error from torch here means
+    it does not allow one), the kernels eager, then captured (one-shot and two-shot) and replayed on new data."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device)
+    try:
+        ws = comm.create_allreduce_fusion_workspace("symm_mem", max_token_num=64, hidden_dim=4096, dtype=torch.bfloat16)
+        assert ws.engine == "symm_mem" and ws.peers == [ws.buffer.data_ptr()]
+        x, residual = rand((37, 4096), torch.bfloat16, device), rand((37, 4096), torch.bfloat16, device, seed=1)
+        weight = rand((4096,), torch.float32, device, seed=2)
+        outs = {one_shot: (poisoned(x.shape, x.dtype, device), poisoned(x.shape, x.dtype, device))
+                for one_shot in (True, False)}
+
+        def step():
+            for one_shot, (res_out, norm_out) in outs.items():
+                comm.allreduce_fusion(x, ws, comm.AllReduceFusionPattern.kARResidualRMSNorm, residual_in=residual,
+                                      residual_out=res_out, norm_out=norm_out, rms_gamma=weight, use_oneshot=one_shot)
+
+        def check():
+            torch.cuda.synchronize()
+            s = x.double() + residual.double()
+            for res_out, norm_out in outs.values():
+                assert_close(res_out, s, torch.bfloat16)
+                assert_close(norm_out, ref.rmsnorm(s, weight.double(), 1e-6), torch.bfloat16)
+
+        step()
+        check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for seed in (3, 4, 5):  # replays see new data in the same buffers; the flags keep counting
+            x.copy_(rand(x.shape, x.dtype, device, seed=seed))
+            for res_out, norm_out in outs.values():
+                res_out.fill_(float("nan")), norm_out.fill_(float("nan"))
+            graph.replay()
+            check()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_comm_benchmark_smoke(tmp_path):
+    """bench/comm.py under torchrun on 2 gloo ranks (the emulated kernels where built): every provider timed."""
+    try:
+        import flashkern._emulate  # noqa: F401
+        backend = "emulate"
+    except ImportError:
+        backend = "auto"
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "comm.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), "-m", "bench.comm", "--set", "smoke",
+                          "--out", str(out)], cwd=root, env={**rank_env(), "FLASHKERN_BACKEND": backend},
+                         capture_output=True, text=True, timeout=subprocess_limit(60))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "flashinfer" in data["machine_info"]["missing_providers"]
+    providers = {"flashkern-auto", "nccl+norm"} | ({"flashkern-oneshot", "flashkern-twoshot"} if backend == "emulate"
+                                                   else set())
+    for tokens in (1, 7):
+        rows = [r for r in data["rows"] if r["tokens"] == tokens]
+        assert {r["provider"] for r in rows} == providers
+        assert all(r["median_us"] > 0 and r["message_bytes"] == tokens * 1024 * 2 for r in rows)

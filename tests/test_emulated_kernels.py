@@ -8,6 +8,7 @@ or the conversion instructions."""
 import ctypes
 import math
 import os
+import re
 import shutil
 import subprocess
 import weakref
@@ -64,7 +65,11 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         subprocess.run([cxx, "-shared", *SANITIZER_FLAGS, *objects, "-o", str(_built[key])], check=True)
     so = tmp_path_factory.mktemp(f"emu-{backend}") / "libfkemu.so"
     shutil.copyfile(_built[key], so)
-    lib = ctypes.CDLL(str(so))
+    return declare(ctypes.CDLL(str(so)))
+
+
+def declare(lib):
+    """The argument and result types of tests/emu/emu_ops.cpp's functions."""
     P, L, I, F, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_double
     signatures = {  # tests/emu/emu_ops.cpp
         "emu_rmsnorm": [P, P, P, P, L, L, I64, I64, I64, I, I, F, F],
@@ -85,7 +90,7 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
         "emu_kv_scores": [P, P, I64, P, P, I64, P, P, P, P, L, L, I, I, I, I, I, I, F, F, F, I, I, I, P, L],
         "emu_kv_select": [P, P, P, P, P, P, I, I, I, I, I, I],
         "emu_kv_compact": [P, P, I64, I64, P, P, P, P, P, P, P, I, I, I, I, I],
-        "emu_allreduce": [I, P, P, P, P, P, P, I, I64, P, L, I, I, F, F, L, I, I, I64],
+        "emu_allreduce": [I, P, P, P, P, P, P, I, I64, P, L, I, I, F, F, L, I, I, I64, L],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
     lib.emu_set_seed.argtypes, lib.emu_set_seed.restype = [ctypes.c_uint64], None
@@ -1102,7 +1107,7 @@ def test_every_kernel_and_path(attention_lib):
 
 
 def run_allreduce(lib, inputs, rows, two_shot, residuals=None, weight=None, workspaces=None, message_bytes=None,
-                  blocks=3, threads=None, in_place=False, delays=None, eps=1e-6, offset=0.0):
+                  blocks=3, threads=None, in_place=False, delays=None, eps=1e-6, offset=0.0, timeout_ns=0):
     """Every rank's all-reduce of inputs[r] ([sum(rows), cols] each, the calls' rows one after another),
     call c of rows[c] rows, one-shot or two-shot (two_shot[c]). With residuals (one per rank, the same
     values): residual += sum, then the norm. Returns the outputs per rank: [out] or [residual_out, norm_out]."""
@@ -1122,7 +1127,7 @@ def run_allreduce(lib, inputs, rows, two_shot, residuals=None, weight=None, work
                          ptr(weight), array(outs), None if residuals is None else array(norms), len(rows), i64s(*rows),
                          (ctypes.c_uint8 * len(rows))(*two_shot), cols, DTYPE[dtype],
                          DTYPE[weight.dtype] if weight is not None else 0, ctypes.c_float(eps), ctypes.c_float(offset),
-                         message_bytes, blocks, threads, i64s(*(delays or [0] * world))))
+                         message_bytes, blocks, threads, i64s(*(delays or [0] * world)), timeout_ns))
     return [[o] if n is None else [o, n] for o, n in zip(outs, norms)]
 
 
@@ -1237,6 +1242,25 @@ def test_allreduce_kernels_ranks_far_apart(attention_lib):
 
 def test_allreduce_kernels_grid_of_one_block(emu):
     many_calls(emu, 30, 2, True, seed=5, blocks=1)
+
+
+def test_allreduce_kernels_give_up_on_a_peer_that_never_comes(emu):
+    """A peer that does not call within the time limit (0.3 s here, 10 minutes in the op): the waiting rank
+    says who waited for whom and traps, instead of spinning forever. In a process of its own (the trap)."""
+    import sys
+
+    script = "\n".join([
+        "import ctypes, sys, torch",
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})",
+        "import test_emulated_kernels as t",
+        f"lib = t.declare(ctypes.CDLL({emu._name!r}))",
+        "xs = [torch.randn(4, 64).bfloat16() for _ in range(2)]",
+        "t.run_allreduce(lib, xs, [4], [0], delays=[0, 30_000_000], timeout_ns=300_000_000)",
+    ])
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FK_EMU_WATCHDOG_SECONDS": "20"})
+    assert run.returncode != 0
+    assert re.search(r"rank 0 block \d gave up waiting for rank 1 \(barrier 1\)", run.stderr), run.stderr[-2000:]
 
 
 @pytest.mark.tsan

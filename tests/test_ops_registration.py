@@ -42,6 +42,12 @@ def op_cases(device):
     for freqs, interleave in ((inv_freq, False), (cache, True)):
         yield ops.rope.default, (q, k, pos, freqs, interleave, False)
         yield ops.rope_.default, (q.detach().clone(), k.detach().clone(), pos.int(), freqs, interleave)
+    xb, rb = rand((5, 64), torch.bfloat16, device, seed=11), rand((5, 64), torch.bfloat16, device, seed=12)
+    ws = torch.zeros(flashkern.comm.workspace_bytes(5 * 64 * 2), dtype=torch.uint8, device=device)  # a group of one
+    yield ops.allreduce_fusion.default, (xb, rb, rand((64,), torch.float32, device, seed=13), None, torch.empty_like(xb),
+                                         torch.empty_like(xb), ws, [ws.data_ptr()], 0, False, 1e-6, 0.0)
+    yield ops.allreduce_fusion.default, (xb, None, None, torch.empty_like(xb), None, None, ws, [ws.data_ptr()], 0, True,
+                                         1e-6, 0.0)
 
 
 def test_opcheck(device):

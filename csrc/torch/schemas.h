@@ -88,7 +88,8 @@ inline void define_schemas(torch::Library& m) {
       "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? scores, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kept, Tensor kept_indptr, Tensor out_indptr, Tensor out_indices) -> ()");
   // tensor parallelism: every rank of a group calls it at once. peers: each rank's workspace (symmetric
-  // memory, ops.h: CommLayout), this rank's being `workspace`. residual_in None: out = the sum over the
+  // memory, ops.h: CommLayout) at its address in this process; this rank's is `workspace` (peers[rank]
+  // is not read). residual_in None: out = the sum over the
   // ranks of input; else residual_out = residual_in + the sum, norm_out = rmsnorm of it (fp32 sum).
   m.def(
       "allreduce_fusion(Tensor input, Tensor? residual_in, Tensor? weight, Tensor(a!)? out, Tensor(b!)? residual_out, "

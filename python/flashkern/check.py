@@ -368,11 +368,15 @@ def _tp_rank(rank, world, port, device, dtype, backend, out_dir):
         xs, residual, weight = _tp_inputs(world, dtype, device)
         x, res = xs[rank].clone(), residual.clone()
         comm.fused_allreduce_add_rmsnorm(x, res, weight)
-        ws = comm.create_allreduce_fusion_workspace(max_token_num=7, hidden_dim=xs[0].shape[1], dtype=dtype)
+        # the kernels where they run: auto on CPU ranks (the emulation's, or gloo), forced on a lone GPU (auto
+        # would leave a group of one to the norm alone)
+        lone_gpu = world == 1 and comm._kernel_obstacle(torch.device(device), dtype, 1024, 1) is None
+        ws = comm.create_allreduce_fusion_workspace("symm_mem" if lone_gpu else "auto", max_token_num=7,
+                                                    hidden_dim=xs[0].shape[1], dtype=dtype)
         res_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
         comm.allreduce_fusion(xs[rank], ws, comm.AllReduceFusionPattern.kARResidualRMSNorm, residual_in=residual,
                               residual_out=res_out, norm_out=norm_out, rms_gamma=weight, fp32_acc=True)
-        torch.save([t.cpu() for t in (x, res, norm_out, res_out)], f"{out_dir}/rank{rank}.pt")
+        torch.save([ws.engine] + [t.cpu() for t in (x, res, norm_out, res_out)], f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -412,8 +416,9 @@ def _tensor_parallel(device, dtype, gen):
     summed = residual.double() + sum(x.double() for x in xs)
     normed = ref.rmsnorm(summed, weight.double(), 1e-6, 0.0)
     shape = (world, *xs[0].shape)
+    engine, outs = outs[0][0], [out[1:] for out in outs]
     yield "fused_allreduce_add_rmsnorm", shape, _flat(outs[0][0], outs[0][1]), _flat(normed, summed)
-    yield "allreduce_fusion (kARResidualRMSNorm)", shape, _flat(outs[0][2], outs[0][3]), _flat(normed, summed)
+    yield f"allreduce_fusion ({engine}, add + RMSNorm)", shape, _flat(outs[0][2], outs[0][3]), _flat(normed, summed)
     same = all(torch.equal(a, b) for out in outs[1:] for a, b in zip(out, outs[0]))
     yield "every rank the same bits", shape, Verdict(0 if same else 1, same), None
 

@@ -318,7 +318,8 @@ int64_t emu_comm_workspace_bytes(int64_t message_bytes) { return fk::CommLayout{
 const char* emu_allreduce(int world, void* const* workspaces, const void* const* inputs, const void* const* residual_ins,
                           const void* weight, void* const* outs, void* const* norm_outs, int calls, const int64_t* rows,
                           const uint8_t* two_shot, int64_t cols, int dtype, int weight_dtype, float eps, float offset,
-                          int64_t message_bytes, int blocks, int threads, const int64_t* start_delay_us) {
+                          int64_t message_bytes, int blocks, int threads, const int64_t* start_delay_us,
+                          int64_t timeout_ns) {
   std::vector<const char*> errors(size_t(world), nullptr);
   std::vector<std::thread> ranks;
   const int64_t element = 2;
@@ -343,7 +344,7 @@ const char* emu_allreduce(int world, void* const* workspaces, const void* const*
         }
         p.rows = rows[c], p.cols = cols, p.dtype = DType(dtype), p.weight_dtype = DType(weight_dtype);
         p.eps = eps, p.weight_offset = offset, p.two_shot = two_shot[c] != 0;
-        p.blocks = blocks, p.threads = threads;
+        p.blocks = blocks, p.threads = threads, p.timeout_ns = timeout_ns;
         errors[size_t(r)] = fk::launch_allreduce(p, nullptr);
         at += rows[c] * cols * element;
       }

@@ -750,6 +750,10 @@ inline void signal_release_system(uint32_t* p, uint32_t v) {
 }
 inline uint32_t poll_acquire_system(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void fence_system() {}
+inline uint64_t clock_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
 // n: the spin's iteration, 0 first. A spin longer than the watchdog (FK_EMU_WATCHDOG_SECONDS, 20 s)
 // is a hang on a GPU: a peer that never signals, or waits for another count.
 inline void spin_pause(uint32_t n) {

@@ -428,7 +428,7 @@ struct CommLayout {
 
 // Pattern: residual_in == nullptr: out = sum over the ranks of input; else residual_out =
 // residual_in + that sum (fp32, rounded once) and norm_out = rmsnorm of the unrounded fp32 sum
-// (out, if given, also gets the sum). Rows of `cols` elements, contiguous, cols a multiple of 8;
+// (out is the first pattern's alone). Rows of `cols` elements, contiguous, cols a multiple of 8;
 // the sum is fp32, in rank order, so every rank gets the same bits. Outputs may alias inputs
 // (residual_out == residual_in, norm_out == input: in place).
 struct AllReduceParams {
@@ -447,7 +447,12 @@ struct AllReduceParams {
   bool two_shot;               // reduce-scatter + all-gather (else one-shot: every rank reads every row)
   bool pdl;
   int blocks, threads;         // comm_plan(): never the rank's
+  int64_t timeout_ns;          // a barrier that waits longer reports and traps; 0: waits forever
 };
+
+// How long a rank waits at a barrier for a peer that never comes (one that failed before its call,
+// or called with other shapes) before it traps: torch's default NCCL timeout, 10 minutes.
+inline constexpr int64_t kCommTimeoutNs = int64_t(600) * 1000 * 1000 * 1000;
 
 // The launch of every call: kCommBlocks blocks of `threads`, a pure function of cols. Tests
 // emulate with fewer blocks and threads (any blocks <= kCommMaxBlocks, threads a multiple of the

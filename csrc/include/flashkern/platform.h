@@ -38,9 +38,10 @@
 //   fk::ldmatrix_x4[_trans], fk::mma_m16n8k16<T>, fk::mfma_16x16x16<T>
 //                                              those instructions, 16-bit inputs, fp32 accumulators
 //   fk::signal_release_system(p, v) / fk::poll_acquire_system(p) / fk::spin_pause(n) / fk::fence_system()
-//                                              flags between GPUs (kernels/allreduce.cuh): a 32-bit
+//   / fk::clock_ns()                           flags between GPUs (kernels/allreduce.cuh): a 32-bit
 //                                              store with release and a load with acquire semantics at
-//                                              system scope, a pause in a spin (emulate.h: a watchdog)
+//                                              system scope, a pause in a spin (emulate.h: a watchdog),
+//                                              a device-wide clock for a spin's time limit
 #pragma once
 
 #include <atomic>
@@ -467,12 +468,16 @@ FK_DEVICE void mfma_16x16x16(float (&d)[4], const uint32_t (&a)[2], const uint32
 // A release store makes what its thread wrote, and what __syncthreads ordered before it, visible to
 // every GPU before the value; an acquire load that sees the value orders the loads after it (and,
 // through a __syncthreads, the block's) after those writes. System scope: the peers are other GPUs.
+// HIP: read-modify-writes, not a plain store and load. torch's symmetric memory on ROCm is coarse-
+// grained: a peer's plain store over XGMI need not invalidate this GPU's L2 line of its own memory,
+// so a polling load could read a stale count forever; atomics are done at the memory's home, where
+// both sides' meet (torch's own symmetric-memory barrier signals and waits with compare-and-swap).
 #if defined(FK_GPU) && !defined(FK_EMU)
 FK_DEVICE void signal_release_system(uint32_t* p, uint32_t v) {
 #if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #elif defined(FK_HIP)
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_exchange(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
   *p = v;
 #endif
@@ -483,7 +488,10 @@ FK_DEVICE uint32_t poll_acquire_system(const uint32_t* p) {
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 #elif defined(FK_HIP)
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+  uint32_t seen = 0;  // a compare-and-swap that writes back what it found (or 0 over 0): a read at the home
+  __hip_atomic_compare_exchange_strong(const_cast<uint32_t*>(p), &seen, seen, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return seen;
 #else
   return *p;
 #endif
@@ -494,6 +502,18 @@ FK_DEVICE uint32_t poll_acquire_system(const uint32_t* p) {
 FK_DEVICE void fence_system() {
 #if defined(FK_HIP)
   __threadfence_system();
+#endif
+}
+// Nanoseconds on a clock every block of the device shares: a spin's time limit, not a timer.
+FK_DEVICE uint64_t clock_ns() {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#elif defined(FK_HIP) && defined(FK_DEVICE_PASS)
+  return wall_clock64() * 10;  // the constant 100 MHz clock of CDNA GPUs (the only AMD ones that run the flags)
+#else
+  return 0;
 #endif
 }
 FK_DEVICE void spin_pause(uint32_t) {

@@ -13,6 +13,16 @@ void check_comm_rows(const char* name, const std::optional<Tensor>& t, const Ten
   FK_CHECK_VALUE(t->is_contiguous(), "allreduce_fusion: ", name, " must be contiguous");
 }
 
+// The kernels move 16-byte vectors. A tensor that starts elsewhere is read from an aligned copy, or written
+// through one, on this rank alone: refusing it would leave the peers waiting in their kernels.
+bool starts_aligned16(const Tensor& t) { return (reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15u) == 0; }
+std::optional<Tensor> aligned_in(const std::optional<Tensor>& t) {
+  return t && !starts_aligned16(*t) ? std::optional<Tensor>(t->clone()) : t;
+}
+std::optional<Tensor> aligned_out(const std::optional<Tensor>& t) {
+  return t && !starts_aligned16(*t) ? std::optional<Tensor>(at::empty(t->sizes(), t->options())) : t;
+}
+
 void allreduce_fusion(const Tensor& input, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,
                       const std::optional<Tensor>& out, const std::optional<Tensor>& residual_out,
                       const std::optional<Tensor>& norm_out, Tensor& workspace, at::IntArrayRef peers, int64_t rank,
@@ -46,27 +56,31 @@ void allreduce_fusion(const Tensor& input, const std::optional<Tensor>& residual
   const int64_t world = int64_t(peers.size());
   FK_CHECK_VALUE(world >= 1 && world <= fk::kCommMaxRanks && rank >= 0 && rank < world, op, ": ", world,
                  " peers and rank ", rank, ": 1 to ", fk::kCommMaxRanks, " ranks");
-  FK_CHECK_VALUE(peers[size_t(rank)] == int64_t(reinterpret_cast<uintptr_t>(workspace.data_ptr())), op,
-                 ": peers[rank] must be this rank's workspace");
   FK_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
   if (rows == 0) return;
   const c10::DeviceGuard guard(input.device());
+  const std::optional<Tensor> in = aligned_in(input), res_in = aligned_in(residual_in), w = aligned_in(weight);
+  const std::optional<Tensor> o = aligned_out(out), res_o = aligned_out(residual_out), n_o = aligned_out(norm_out);
   fk::AllReduceParams p{};
   for (int64_t r = 0; r < world; ++r) p.peers[r] = reinterpret_cast<void*>(uintptr_t(peers[size_t(r)]));
+  p.peers[rank] = workspace.data_ptr();  // the tensor the schema says is written (opcheck passes copies)
   p.world = int(world), p.rank = int(rank), p.message_bytes = message_bytes;
-  p.input = input.const_data_ptr();
-  p.residual_in = norm ? residual_in->const_data_ptr() : nullptr;
-  p.weight = weight ? weight->const_data_ptr() : nullptr;
-  p.out = out ? out->data_ptr() : nullptr;
-  p.residual_out = residual_out ? residual_out->data_ptr() : nullptr;
-  p.norm_out = norm_out ? norm_out->data_ptr() : nullptr;
+  p.input = in->const_data_ptr();
+  p.residual_in = norm ? res_in->const_data_ptr() : nullptr;
+  p.weight = weight ? w->const_data_ptr() : nullptr;
+  p.out = out ? o->data_ptr() : nullptr;
+  p.residual_out = residual_out ? res_o->data_ptr() : nullptr;
+  p.norm_out = norm_out ? n_o->data_ptr() : nullptr;
   p.rows = rows, p.cols = cols;
   p.dtype = to_dtype(input.scalar_type());
   p.weight_dtype = weight ? to_dtype(weight->scalar_type()) : p.dtype;
   p.eps = float(eps), p.weight_offset = float(weight_offset);
   p.two_shot = two_shot, p.pdl = enable_pdl;
   p.blocks = fk::kCommBlocks, p.threads = fk::comm_threads(cols);  // the shapes', never the rank's
+  p.timeout_ns = fk::kCommTimeoutNs;
   check_launch(fk::launch_allreduce(p, current_stream(input)), op);
+  for (const auto& [given, used] : {std::pair{&out, &o}, std::pair{&residual_out, &res_o}, std::pair{&norm_out, &n_o}})
+    if (*given && !used->value().is_same(given->value())) given->value().copy_(used->value());
 }
 
 void register_comm(torch::Library& m) { m.impl("allreduce_fusion", &allreduce_fusion); }

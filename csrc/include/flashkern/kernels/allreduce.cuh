@@ -21,6 +21,8 @@
 // PDL: pdl_launch_dependents only after the last store (emulate.h refuses a signal after it).
 #pragma once
 
+#include <cstdio>
+
 #include "flashkern/dispatch.h"
 #include "flashkern/ops.h"
 #include "flashkern/reduce.h"
@@ -35,6 +37,19 @@ FK_DEVICE uint8_t* comm_at(const AllReduceParams& p, int r, int64_t offset) {
 #pragma unroll
   for (int i = 1; i < kCommMaxRanks; ++i) base = r == i ? p.peers[i] : base;
   return static_cast<uint8_t*>(base) + offset;
+}
+
+// A peer that never arrives would hold this block, and the GPU, forever: say who waited for whom and
+// trap, as NCCL's watchdog ends a collective that hangs. (HIP: a trap alone; its printf needs scratch.)
+FK_DEVICE void comm_give_up(const AllReduceParams& p, int peer, uint32_t count) {
+#if defined(FK_EMU)
+  std::fprintf(stderr, "flashkern allreduce_fusion: rank %d block %d gave up waiting for rank %d (barrier %u)\n",
+               p.rank, int(blockIdx.x), peer, count);
+#elif defined(FK_CUDA)
+  printf("flashkern allreduce_fusion: rank %d block %d gave up waiting for rank %d (barrier %u)\n", p.rank,
+         int(blockIdx.x), peer, count);
+#endif
+  trap();
 }
 
 // Block b of every rank meets here; `count` is this block's new barrier count. Every signal goes out
@@ -52,7 +67,12 @@ FK_DEVICE void comm_barrier(const AllReduceParams& p, uint32_t count) {
   __syncthreads();
   if (waits) {
     const auto* mine = reinterpret_cast<const uint32_t*>(comm_at(p, p.rank, CommLayout::flag(int(blockIdx.x), peer)));
-    for (uint32_t n = 0; int32_t(poll_acquire_system(mine) - count) < 0; ++n) spin_pause(n);
+    const uint64_t start = clock_ns();
+    for (uint32_t n = 0; int32_t(poll_acquire_system(mine) - count) < 0; ++n) {
+      spin_pause(n);
+      if (p.timeout_ns > 0 && n % 1024 == 1023 && clock_ns() - start > uint64_t(p.timeout_ns))
+        comm_give_up(p, peer, count);
+    }
   }
   __syncthreads();  // the acquires before any thread of the block reads a peer's buffer
 }
@@ -199,7 +219,7 @@ inline const char* allreduce_params_error(const AllReduceParams& p, int warp) {
   if (norm ? (!p.residual_out || !p.norm_out || !p.weight) : !p.out) return "a missing output or weight";
   for (int r = 0; r < p.world; ++r)
     if (!p.peers[r] || !aligned16(p.peers[r])) return "a peer workspace that is null or not 16-byte aligned";
-  const void* rows[] = {p.input, p.residual_in, p.out, p.residual_out, p.norm_out};
+  const void* rows[] = {p.input, p.residual_in, p.weight, p.out, p.residual_out, p.norm_out};
   for (const void* q : rows)
     if (q && !aligned16(q)) return "a buffer that is not 16-byte aligned";
   return nullptr;
