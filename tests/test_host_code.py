@@ -87,6 +87,45 @@ def test_float_to_16bit_round_to_nearest_even(lib, fmt, torch_dtype):
     assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. {x[~nan][mismatch[:5]]}"
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]  # numeric.h's Fp8
+
+
+@pytest.mark.parametrize("fmt", range(4), ids=[str(d).split(".")[1] for d in FP8])
+def test_fp8_to_float_exhaustive(lib, fmt):
+    bits = np.arange(256, dtype=np.uint8)
+    ours = np.empty(256, dtype=np.float32)
+    lib.fk_fp8_to_float(ptr(bits), ptr(ours), ctypes.c_int64(256), ctypes.c_int(fmt))
+    theirs = torch.from_numpy(bits).view(FP8[fmt]).float().numpy()
+    nan = np.isnan(theirs)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours[~nan].view(np.uint32), theirs[~nan].view(np.uint32))  # bit-exact, signed zeros too
+
+
+@pytest.mark.parametrize("fmt", range(4), ids=[str(d).split(".")[1] for d in FP8])
+def test_float_to_fp8_saturates_and_rounds_to_nearest_even(lib, fmt):
+    """Bit for bit torch's x.clamp(-max, max).to(fp8): every fp8 value, the midpoints between neighbours (ties)
+    and their neighbours, values past the range, inf, subnormals, NaN and random fp32 bits."""
+    dtype = FP8[fmt]
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
+    v = np.unique(values[np.isfinite(values)])
+    mid = ((v[:-1].astype(np.float64) + v[1:]) / 2).astype(np.float32)
+    top = float(torch.finfo(dtype).max)
+    rng = np.random.default_rng(fmt)
+    x = np.concatenate([v, mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)),
+                        np.array([top * 1.01, -top * 1.5, 1e30, np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e-30,
+                                  -1e-45, float(torch.finfo(dtype).tiny) / 3], dtype=np.float32),
+                        rng.integers(0, 2**32, size=1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.standard_normal(1 << 16).astype(np.float32) * top / 4]).astype(np.float32)
+    ours = np.empty(x.shape, dtype=np.uint8)
+    lib.fk_float_to_fp8(ptr(x), ptr(ours), ctypes.c_int64(x.size), ctypes.c_int(fmt))
+    theirs = torch.from_numpy(x).clamp(-top, top).to(dtype).view(torch.uint8).numpy()
+    nan = np.isnan(x)
+    assert np.isnan(torch.from_numpy(ours[nan]).view(dtype).float().numpy()).all(), "NaN must stay NaN"
+    mismatch = np.flatnonzero(ours[~nan] != theirs[~nan])
+    assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. {x[~nan][mismatch[:5]]} -> " \
+                               f"{ours[~nan][mismatch[:5]]}, torch {theirs[~nan][mismatch[:5]]}"
+
+
 LIMITS = {0: "rmsnorm", 1: "rmsnorm_backward"}
 
 

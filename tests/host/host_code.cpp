@@ -24,6 +24,13 @@ void fk_bf16_to_float(const uint16_t* in, float* out, int64_t n) {
 void fk_float_to_bf16(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = fk::from_float<fk::bf16_t>(in[i]).bits;
 }
+// format: fk::numeric::Fp8 (0 e4m3fn, 1 e5m2, 2 e4m3fnuz, 3 e5m2fnuz)
+void fk_fp8_to_float(const uint8_t* in, float* out, int64_t n, int format) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fk::numeric::fp8_bits_to_float(in[i], fk::numeric::Fp8(format));
+}
+void fk_float_to_fp8(const float* in, uint8_t* out, int64_t n, int format) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fk::numeric::float_to_fp8_bits(in[i], fk::numeric::Fp8(format));
+}
 
 // limits: 0 rmsnorm and fused_add_rmsnorm, 1 rmsnorm backward.
 // out: threads_per_row, rows_per_block, vecs_per_thread, in_registers, block_threads, blocks

@@ -76,6 +76,67 @@ FK_HOST_DEVICE uint16_t float_to_half_bits(float f) {
   return uint16_t(sign | m);
 }
 
+// ---- fp8 (an 8-bit KV cache): OCP's E4M3FN and E5M2, and AMD's FNUZ variants ----
+// E4M3FN: bias 7, no inf, NaN S.1111.111, max 448. E5M2: IEEE-like, bias 15, inf and NaN, max 57344.
+// E4M3FNUZ / E5M2FNUZ: bias 8 / 16, no inf, no -0, the one NaN 0x80, max 240 / 57344.
+enum class Fp8 : uint8_t { e4m3fn, e5m2, e4m3fnuz, e5m2fnuz };
+
+struct Fp8Format {
+  int mant_bits, bias;
+  bool fnuz;
+  uint8_t max_bits;  // the largest finite magnitude's code
+  uint32_t max_f32;  // ... as fp32 bits
+};
+FK_HOST_DEVICE constexpr Fp8Format fp8_format(Fp8 f) {
+  switch (f) {
+    case Fp8::e4m3fn: return {3, 7, false, 0x7e, 0x43e00000u};     // 448
+    case Fp8::e5m2: return {2, 15, false, 0x7b, 0x47600000u};      // 57344
+    case Fp8::e4m3fnuz: return {3, 8, true, 0x7f, 0x43700000u};    // 240
+    default: return {2, 16, true, 0x7f, 0x47600000u};              // e5m2fnuz: 57344
+  }
+}
+
+// Exact: every fp8 value is an fp32 value.
+FK_HOST_DEVICE float fp8_bits_to_float(uint8_t b, Fp8 f) {
+  const Fp8Format F = fp8_format(f);
+  const uint32_t sign = uint32_t(b & 0x80u) << 24;
+  const int m_bits = F.mant_bits;
+  const uint32_t e_max = (1u << (7 - m_bits)) - 1u;
+  const uint32_t e = (b >> m_bits) & e_max, m = b & ((1u << m_bits) - 1u);
+  if (F.fnuz && b == 0x80u) return bit_cast<float>(0x7fc00000u);
+  if (!F.fnuz && f == Fp8::e4m3fn && (b & 0x7fu) == 0x7fu) return bit_cast<float>(sign | 0x7fc00000u);
+  if (!F.fnuz && f == Fp8::e5m2 && e == e_max) return bit_cast<float>(sign | 0x7f800000u | (m << 21));  // inf, NaN
+  if (e == 0) {  // zero or subnormal: m * 2^(1 - bias - m_bits)
+    const float mag = float(m) * bit_cast<float>(uint32_t(127 + 1 - F.bias - m_bits) << 23);
+    return bit_cast<float>(bit_cast<uint32_t>(mag) | sign);
+  }
+  return bit_cast<float>(sign | ((e + 127u - uint32_t(F.bias)) << 23) | (m << (23 - m_bits)));
+}
+
+// Saturating and round-to-nearest-even: a magnitude past the format's largest finite value (inf included)
+// becomes that value, NaN stays NaN; torch's x.clamp(-max, max).to(fp8), bit for bit.
+FK_HOST_DEVICE uint8_t float_to_fp8_bits(float x, Fp8 f) {
+  const Fp8Format F = fp8_format(f);
+  const uint32_t u = bit_cast<uint32_t>(x);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t mag = u & 0x7fffffffu;
+  if (mag > 0x7f800000u) return F.fnuz ? uint8_t(0x80u) : uint8_t(sign | 0x7fu);  // NaN
+  if (mag >= F.max_f32) return uint8_t(sign | F.max_bits);
+  const int m_bits = F.mant_bits, emin = 1 - F.bias;
+  const uint32_t biased = mag >> 23;
+  const int exp = biased ? int(biased) - 127 : -126;
+  const uint32_t sig = biased ? (mag & 0x7fffffu) | 0x800000u : mag & 0x7fffffu;  // mag = sig * 2^(exp - 23)
+  const int shift = 23 - m_bits + (exp < emin ? emin - exp : 0);  // to units of the target's last place
+  if (shift > 25) return F.fnuz ? uint8_t(0) : sign;  // below half the smallest subnormal
+  uint32_t q = sig >> shift;
+  const uint32_t rest = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  q += (rest > half || (rest == half && (q & 1u))) ? 1u : 0u;
+  // normal: q in [2^m, 2^(m+1)], a carry into the exponent included; subnormal: q in [0, 2^m]
+  const uint32_t bits = q + (uint32_t(exp > emin ? exp - emin : 0) << m_bits);
+  if (bits == 0 && F.fnuz) return 0;  // no -0
+  return uint8_t(sign | bits);
+}
+
 }  // namespace numeric
 
 FK_HOST_DEVICE float to_float(float x) { return x; }
