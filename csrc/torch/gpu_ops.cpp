@@ -7,7 +7,7 @@
 // emulation (CMakeLists.txt: FLASHKERN_EMULATE), the same code serves CPU tensors as the ops of that
 // namespace, which the emulate backends call (python/flashkern/_backend.py).
 // Each op family's glue is its own file in glue/ (norm, activation, rope, attention, sampling, optim,
-// kv_compress, comm); this file registers them all, for the GPU key or, in the emulated builds, as their own
+// kv_compress, page, comm); this file registers them all, for the GPU key or, in the emulated builds, as their own
 // op namespace.
 #include "glue/activation.h"
 #include "glue/attention.h"
@@ -15,6 +15,7 @@
 #include "glue/kv_compress.h"
 #include "glue/norm.h"
 #include "glue/optim.h"
+#include "glue/page.h"
 #include "glue/rope.h"
 #include "glue/sampling.h"
 
@@ -28,6 +29,7 @@ void register_impls(torch::Library& m) {
   register_sampling(m);
   register_optim(m);
   register_kv_compress(m);
+  register_page(m);
   register_comm(m);
 }
 

@@ -87,6 +87,14 @@ inline void define_schemas(torch::Library& m) {
   m.def(
       "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? scores, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kept, Tensor kept_indptr, Tensor out_indptr, Tensor out_indices) -> ()");
+  // FlashInfer's append_paged_kv_cache (ops.h: AppendPagedKvParams): token i of append_key / append_value
+  // [nnz, kv_heads, head_dim] to position positions[i] of request batch_indices[i] in k_cache / v_cache,
+  // views [pages, page_size, kv_heads, head_dim] of the cache: float16 / bfloat16 as the input (copied) or
+  // fp8 (x / scale, saturated, round to nearest even; scale k_scale[head] or k_scale_value, the same for v).
+  m.def(
+      "append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, Tensor positions, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor kv_indices, Tensor kv_indptr, Tensor kv_last_page_len, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, float k_scale_value=1.0, float v_scale_value=1.0) -> ()");
   // tensor parallelism: every rank of a group calls it at once. peers: each rank's workspace (symmetric
   // memory, ops.h: CommLayout) at its address in this process; this rank's is `workspace` (peers[rank]
   // is not read). residual_in None: out = the sum over the

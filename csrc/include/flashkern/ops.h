@@ -10,6 +10,7 @@
 #include "flashkern/activations.h"
 #include "flashkern/attention_work.h"
 #include "flashkern/divmod.h"
+#include "flashkern/numeric.h"
 #include "flashkern/rows.h"
 
 namespace fk {
@@ -399,6 +400,37 @@ struct KvCompactParams {
   DType dtype;                   // f16 or bf16
 };
 
+// Appending to a paged KV cache (kernels/page.cuh), FlashInfer's append_paged_kv_cache: token i of
+// append_key / append_value goes to position positions[i] of request batch_indices[i], i.e. page
+// kv_indices[kv_indptr[b] + positions[i] / page_size], slot positions[i] % page_size. A 16-bit cache
+// (quantize false: the input's dtype) gets the bits as they are; an fp8 cache (quantize true, format
+// fp8) gets (x / scale) in fp32, saturated to the format's finite range, rounded to nearest even
+// (numeric.h: float_to_fp8_bits), with scale k_scale[head] / v_scale[head] or, where that is nullptr,
+// k_scale_value / v_scale_value. A token whose batch index is outside [0, batch), whose position is
+// negative or past its request's pages, whose page entry is outside kv_indices or whose page is outside
+// [0, num_pages) is not written (the CPU reference raises instead: the glue would have to read the
+// page tables and positions on the host).
+struct AppendPagedKvParams {
+  void* k_cache;                   // [num_pages, page_size, kv_heads, head_dim] views, 8-element aligned rows
+  void* v_cache;
+  int64_t k_strides[3], v_strides[3];           // page, slot, head (elements)
+  const void* append_key;          // [nnz, kv_heads, head_dim] dtype, 16-byte aligned rows
+  const void* append_value;
+  int64_t key_strides[2], value_strides[2];     // token, head (elements)
+  const int32_t* batch_indices;    // [nnz]
+  const int32_t* positions;        // [nnz]
+  const int32_t* kv_indptr;        // [batch + 1]
+  const int32_t* kv_indices;       // [num_indices]
+  const float* k_scale;            // [kv_heads] or nullptr (then k_scale_value)
+  const float* v_scale;
+  float k_scale_value, v_scale_value;
+  int64_t num_pages, num_indices, nnz;  // nnz * kv_heads * head_dim / 8 <= 2^30
+  int batch, kv_heads, head_dim, page_size;  // head_dim a multiple of 8
+  DType dtype;                     // the appended K/V: f16 or bf16
+  bool quantize;                   // the cache is fp8 (else dtype)
+  numeric::Fp8 fp8;
+};
+
 // ---- tensor parallelism: all-reduce (+ residual add + RMSNorm) over symmetric memory ----
 // Every rank of a group runs the kernel at once on its own GPU; each reads its peers' workspaces
 // (peer-mapped symmetric memory, kernels/allreduce.cuh). A workspace, the same on every rank:
@@ -490,5 +522,6 @@ const char* launch_kv_scores(const KvScoresParams& p, void* stream);
 const char* launch_kv_select(const KvSelectParams& p, void* stream);
 const char* launch_kv_compact(const KvCompactParams& p, void* stream);
 const char* launch_allreduce(const AllReduceParams& p, void* stream);
+const char* launch_append_paged_kv(const AppendPagedKvParams& p, void* stream);
 
 }  // namespace fk

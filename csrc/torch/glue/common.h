@@ -90,6 +90,14 @@ std::string dtype_name(at::ScalarType t) {
       return "torch.uint8";
     case at::kBool:
       return "torch.bool";
+    case at::kFloat8_e4m3fn:
+      return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2:
+      return "torch.float8_e5m2";
+    case at::kFloat8_e4m3fnuz:
+      return "torch.float8_e4m3fnuz";
+    case at::kFloat8_e5m2fnuz:
+      return "torch.float8_e5m2fnuz";
     default:
       return std::string("torch.") + c10::toString(t);
   }
