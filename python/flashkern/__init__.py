@@ -16,6 +16,8 @@ from .activation import act_mul, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
+from . import page  # noqa: E402  (flashkern.page: appending to a paged KV cache)
+from .page import append_paged_kv_cache, get_batch_indices_positions
 from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -63,6 +65,7 @@ __all__ = [
     "BatchPrefillWithRaggedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",
     "act_mul",
+    "append_paged_kv_cache",
     "apply_llama31_rope",
     "apply_llama31_rope_inplace",
     "apply_llama31_rope_pos_ids",
@@ -83,6 +86,7 @@ __all__ = [
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
     "get_backend",
+    "get_batch_indices_positions",
     "info",
     "merge_state",
     "merge_state_in_place",

@@ -670,3 +670,115 @@ def check_kv_compact(k_cache, v_cache, scores, kv_indptr, kv_indices, kept, kept
     if kept.dim() != 2 or kept.shape[1] != k_cache.shape[2] or not kept.is_contiguous() or kept.device != k_cache.device:
         raise ValueError(f"{op}: kept must be a contiguous int32 tensor [num_kept, num_kv_heads] on {k_cache.device}, "
                          f"got shape {tuple(kept.shape)}")
+
+
+# ---- appending to a paged KV cache (csrc/torch/glue/page.h) ----
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+MAX_APPEND_VECTORS = 2**30  # nnz * num_kv_heads * head_dim / 8: the kernel's 32-bit thread index
+
+
+def check_vector_rows(op, name, t, addresses=True):
+    """Rows of 8-element vectors: 8-element aligned data (addresses: where it has an address), every stride
+    but the last a multiple of 8."""
+    check_last_dim_contiguous(op, name, t)
+    nbytes = 8 * t.element_size()
+    if (addresses and t.data_ptr() % nbytes) or any(t.shape[d] > 1 and t.stride(d) % 8 for d in range(t.dim() - 1)):
+        raise ValueError(f"{op}: {name} must start on a {nbytes}-byte boundary and have strides that are multiples of "
+                         f"8 elements, got strides {t.stride()}")
+
+
+def _check_scale(op, name, t, value, cache):
+    if t is not None:
+        check_tensor(op, name, t)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must be a float32 tensor, got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] != cache.shape[2] or not t.is_contiguous() or t.device != cache.device:
+            raise ValueError(f"{op}: {name} must be a contiguous tensor of shape ({cache.shape[2]},) ([num_kv_heads]) "
+                             f"on {cache.device}, got shape {tuple(t.shape)} on {t.device}")
+    f = torch.tensor(value, dtype=torch.float32).item()  # the kernel's scale: the value as float32
+    if not (math.isfinite(f) and f > 0):
+        raise ValueError(f"{op}: {name} must be a number > 0 that is finite in float32, got {value}")
+
+
+def check_append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices,
+                                kv_indptr, kv_last_page_len, k_scale, v_scale, k_scale_value, v_scale_value,
+                                addresses=True):
+    op = "append_paged_kv_cache"
+    check_tensor(op, "append_key", append_key)
+    if append_key.dtype not in ATTENTION_DTYPES:
+        raise TypeError(f"{op}: append_key must be float16 or bfloat16, got {append_key.dtype}")
+    if append_key.dim() != 3:
+        raise ValueError(f"{op}: append_key must be 3-D [nnz, num_kv_heads, head_dim], got shape "
+                         f"{tuple(append_key.shape)}")
+    check_same(op, "append_value", append_value, "append_key", append_key)
+    nnz, kv_heads, head_dim = append_key.shape
+    if head_dim <= 0 or head_dim % 8:
+        raise ValueError(f"{op}: head_dim must be a positive multiple of 8, got {head_dim}")
+    check_tensor(op, "k_cache", k_cache)
+    if k_cache.dtype != append_key.dtype and k_cache.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: k_cache must have the dtype of append_key ({append_key.dtype}) or an fp8 dtype "
+                        f"(float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, float8_e5m2fnuz), got {k_cache.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape[2] != kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"{op}: k_cache must be 4-D [pages, page_size, num_kv_heads, head_dim] with append_key's "
+                         f"num_kv_heads and head_dim ({kv_heads}, {head_dim}), got shape {tuple(k_cache.shape)}")
+    if k_cache.device != append_key.device:
+        raise ValueError(f"{op}: k_cache is on {k_cache.device} but append_key is on {append_key.device}")
+    check_same(op, "v_cache", v_cache, "k_cache", k_cache)
+    if not 0 < k_cache.shape[1] < 2**31:
+        raise ValueError(f"{op}: k_cache must have a page_size in [1, 2^31), got shape {tuple(k_cache.shape)}")
+    for name, t in (("append_key", append_key), ("append_value", append_value), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        check_vector_rows(op, name, t, addresses)
+    if nnz * kv_heads * (head_dim // 8) > MAX_APPEND_VECTORS:
+        raise ValueError(f"{op}: append_key has too many elements (nnz * num_kv_heads * head_dim must be at most "
+                         f"2^33), got shape {tuple(append_key.shape)}")
+    check_index(op, "batch_indices", batch_indices, append_key, nnz)
+    check_index(op, "positions", positions, append_key, nnz)
+    check_index(op, "kv_indptr", kv_indptr, append_key)
+    batch = kv_indptr.shape[0] - 1
+    if batch < 0:
+        raise ValueError(f"{op}: kv_indptr must have batch_size + 1 entries, got none")
+    check_index(op, "kv_indices", kv_indices, append_key)
+    check_index(op, "kv_last_page_len", kv_last_page_len, append_key, batch)
+    if k_cache.dtype in FP8_DTYPES:
+        _check_scale(op, "k_scale", k_scale, k_scale_value, k_cache)
+        _check_scale(op, "v_scale", v_scale, v_scale_value, k_cache)
+    elif k_scale is not None or v_scale is not None or k_scale_value != 1.0 or v_scale_value != 1.0:
+        raise ValueError(f"{op}: k_scale and v_scale are for an fp8 cache; k_cache is {k_cache.dtype}")
+
+
+def check_append_targets(op, batch_indices, positions, kv_indptr, kv_indices, num_pages, page_size):
+    """What the kernel cannot check without the host reading device memory (it skips such a token): each
+    token's request in [0, batch), its position >= 0 and within its request's pages, its page in
+    [0, num_pages). Host tensors only (the CPU reference)."""
+    if not batch_indices.numel():
+        return
+    b, pos = batch_indices.long(), positions.long()
+    indptr, indices = kv_indptr.long(), kv_indices.long()
+    batch = indptr.shape[0] - 1
+    bad = (b < 0) | (b >= batch)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{op}: batch_indices must lie in [0, {batch}) (the requests of kv_indptr), got "
+                         f"{int(b[i])} for token {i}")
+    if (pos < 0).any():
+        i = int((pos < 0).nonzero()[0])
+        raise ValueError(f"{op}: positions must be >= 0, got {int(pos[i])} for token {i}")
+    pages = indptr[b + 1] - indptr[b]
+    past = pos // page_size >= pages
+    if past.any():
+        i = int(past.nonzero()[0])
+        raise ValueError(f"{op}: token {i}'s position {int(pos[i])} is past the pages of request {int(b[i])} "
+                         f"({max(int(pages[i]), 0)} pages of {page_size}); kv_indptr, kv_indices and "
+                         f"kv_last_page_len must already hold the appended tokens")
+    entry = indptr[b] + pos // page_size
+    outside = (entry < 0) | (entry >= indices.shape[0])
+    if outside.any():
+        i = int(outside.nonzero()[0])
+        raise ValueError(f"{op}: kv_indptr points past kv_indices ({indices.shape[0]} entries) for token {i}")
+    page = indices[entry]
+    wrong = (page < 0) | (page >= num_pages)
+    if wrong.any():
+        i = int(wrong.nonzero()[0])
+        raise ValueError(f"{op}: kv_indices must name pages in [0, {num_pages}), got {int(page[i])} for token {i}")

@@ -12,6 +12,7 @@ from .rope import rope
 from . import sampling  # noqa: E402  (ref.sampling.sampling, .renorm, .speculative, .kept)
 from . import optim  # noqa: E402  (ref.optim.grad_norm, .adamw)
 from . import kv_compress  # noqa: E402  (ref.kv_compress.kv_scores, .kv_select, .kv_compact)
+from . import page  # noqa: E402  (ref.page.append_paged_kv_cache, .quantize)
 
 __all__ = [
     "act_and_mul",
