@@ -90,6 +90,7 @@ def declare(lib):
         "emu_kv_scores": [P, P, I64, P, P, I64, P, P, P, P, L, L, I, I, I, I, I, I, F, F, F, I, I, I, P, L],
         "emu_kv_select": [P, P, P, P, P, P, I, I, I, I, I, I],
         "emu_kv_compact": [P, P, I64, I64, P, P, P, P, P, P, P, I, I, I, I, I],
+        "emu_append_paged_kv": [P, P, I64, I64, P, P, I64, I64, P, P, P, P, P, P, F, F, L, L, L, I, I, I, I, I, I],
         "emu_allreduce": [I, P, P, P, P, P, P, I, I64, P, L, I, I, F, F, L, I, I, I64, L],
     }
     lib.emu_set_device.argtypes, lib.emu_set_device.restype = [ctypes.c_char_p], ctypes.c_bool
@@ -1056,6 +1057,56 @@ def test_attention_logits_epilogue(attention_lib, group, head_dim, page_size, dt
     torch.testing.assert_close(scores[written].double(), probs[written], atol=1e-5, rtol=1e-4)
 
 
+# ---------------------------------------------------------------- appending to a paged KV cache
+
+FP8_FORMAT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.float8_e4m3fnuz: 2, torch.float8_e5m2fnuz: 3}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8_FORMAT])
+@pytest.mark.parametrize("layout,page_size,kv_heads,head_dim", [("NHD", 16, 3, 64), ("HND", 1, 1, 8),
+                                                                ("HND", 5, 2, 256)])
+def test_append_paged_kv_kernel(attention_lib, cache_dtype, layout, page_size, kv_heads, head_dim):
+    """Bitwise against the reference over a cache of random bytes (what is not written stays): tokens in any
+    order, strided input, per-head K scales and a V scale value; a token past its pages is skipped."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [37, 1, 20]
+    counts = [-(-n // page_size) for n in lengths]
+    pages = sum(counts) + 2
+    order = torch.randperm(pages, generator=g).int()
+    indptr = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    indices = order[: sum(counts)].contiguous()
+    b = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+    perm = torch.randperm(b.shape[0], generator=g)
+    b, pos = b[perm].contiguous(), pos[perm].contiguous()
+    nnz = b.shape[0]
+    dtype = torch.float16 if cache_dtype in FP8_FORMAT else cache_dtype
+    kv = (torch.randn(nnz, 2, kv_heads, head_dim, generator=g) * 300).to(dtype)
+    kv.view(-1)[:: 7] = float("nan")
+    key, value = kv[:, 0], kv[:, 1]
+    shape = (pages, 2, page_size, kv_heads, head_dim) if layout == "NHD" else (pages, 2, kv_heads, page_size, head_dim)
+    cache = torch.randint(1, 256, (math.prod(shape) * torch.empty(0, dtype=cache_dtype).element_size(),),
+                          generator=g, dtype=torch.uint8).view(cache_dtype).reshape(shape)
+    k, v = cache[:, 0], cache[:, 1]
+    if layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    fp8 = cache_dtype in FP8_FORMAT
+    k_scale = torch.linspace(0.3, 3.0, kv_heads) if fp8 else None
+    v_value = 0.7 if fp8 else 1.0
+    b_run, pos_run = b.clone(), pos.clone()
+    b_run[0], pos_run[0] = 0, (counts[0] + 1) * page_size - 1  # past request 0's pages: skipped
+    ek, ev = k.clone(), v.clone()
+    ref.page.append_paged_kv_cache(key[1:], value[1:], b[1:], pos[1:], ek, ev, indices, indptr, None, k_scale, None,
+                                   1.0, v_value)
+    ok(attention_lib.emu_append_paged_kv(ptr(k), ptr(v), i64s(*k.stride()[:3]), i64s(*v.stride()[:3]), ptr(key),
+                                         ptr(value), i64s(*key.stride()[:2]), i64s(*value.stride()[:2]), ptr(b_run),
+                                         ptr(pos_run), ptr(indptr), ptr(indices), ptr(k_scale), None, 1.0, v_value,
+                                         pages, indices.shape[0], nnz, len(lengths), kv_heads, head_dim, page_size,
+                                         DTYPE[dtype], FP8_FORMAT.get(cache_dtype, -1)))
+    unit = torch.uint8 if fp8 else torch.int16
+    assert torch.equal(k.view(unit), ek.view(unit)) and torch.equal(v.view(unit), ev.view(unit))
+
+
 # ---------------------------------------------------------------- every kernel and path, once
 
 
@@ -1099,6 +1150,8 @@ def test_every_kernel_and_path(attention_lib):
     test_attention_logits_epilogue(lib, 8, 64, 1, torch.bfloat16, -1, 0.0)  # 16-row tiles
     test_kv_select_kernel(lib, 5, 8, 2)
     test_kv_compact_kernel(lib, 128, 16, False)  # in place
+    test_append_paged_kv_kernel(lib, torch.float8_e4m3fn, "NHD", 16, 3, 64)
+    test_append_paged_kv_kernel(lib, torch.bfloat16, "HND", 1, 1, 8)
 
 
 # ---------------------------------------------------------------- tensor-parallel all-reduce (+ add + RMSNorm)

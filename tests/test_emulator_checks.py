@@ -182,6 +182,12 @@ MUTANTS = {
         "const dim3 grid(unsigned(p.blocks)),", "const dim3 grid(unsigned(p.blocks + p.rank)),",
         None, "test_allreduce_kernels_1000_calls and 2-True", r"flashkern emulation: a flag waited for longer",
     ),
+    # appending: a position one page past its request's pages accepted (its slot is the next request's page)
+    "append_past_the_pages": (
+        "include/flashkern/kernels/page.cuh",
+        "  if (n >= count) return {-1, 0};", "  if (n > count) return {-1, 0};",
+        None, "test_append_paged_kv_kernel and cuda-NHD-16-3-64-float8_e4m3fn", r"AssertionError",
+    ),
     "no_shared_memory_opt_in": (
         "include/flashkern/kernels/batch_attention.cuh",
         "const gpuError_t e = gpuSetMaxDynamicShared(kKernel, bytes);", "const gpuError_t e = gpuSuccess;",

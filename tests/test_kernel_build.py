@@ -24,12 +24,13 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc" if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 HIPCC = shutil.which("hipcc")
 ROW_SOURCES = ["rmsnorm", "act_and_mul", "rope", "merge_states"]  # one template argument is the vector width
-SOURCES = ROW_SOURCES + ["batch_attention", "sampling", "optim", "kv_compress"]
+SOURCES = ROW_SOURCES + ["batch_attention", "sampling", "optim", "kv_compress", "page"]
 FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kernel", "act_and_mul_kernel",
             "act_and_mul_backward_kernel", "rope_kernel", "merge_states_kernel", "decode_attention_kernel",
             "multi_query_attention_kernel", "merge_partials_kernel", "sampling_kernel", "renorm_kernel",
             "speculative_kernel", "grad_norm_chunks_kernel", "grad_norm_finish_kernel", "adamw_kernel",
-            "adamw_steps_kernel", "kv_scores_kernel", "kv_select_kernel", "kv_compact_kernel"]
+            "adamw_steps_kernel", "kv_scores_kernel", "kv_select_kernel", "kv_compact_kernel",
+            "append_paged_kv_kernel"]
 # ptxas reports for these (the no-spill check); Blackwell's ptxas allocates differently and spilled
 # kernels that fit sm_80 and sm_90. The PTX checks read sm_80 and sm_90 only.
 SASS_ARCHS = ["80-real", "90", "100-real", "120-real"]
@@ -203,6 +204,20 @@ def test_cuda_kv_compress_ptx(cuda_build, arch):
         for name, body in found.items():
             for pattern in patterns:
                 assert re.search(pattern, body), f"{name}: no {pattern}"
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_cuda_append_paged_kv_ptx(cuda_build, arch):
+    """Appending reads K and V 16 bytes at a time and writes them 16 bytes at a time (a 16-bit cache) or 8
+    (fp8: 8 codes of one 16-byte input vector)."""
+    build, _ = cuda_build
+    entries, names = ptx_of(build, "page", arch)
+    found = {names[m]: b for m, b in entries.items() if is_family("append_paged_kv_kernel", names[m])}
+    assert len(found) == 10, sorted(found)  # two input dtypes, the copy and four fp8 formats
+    for name, body in found.items():
+        assert re.search(r"ld\.global(\.nc)?\.v4\.u32", body), f"{name}: no 16-byte global load"
+        store = r"st\.global(\.wb)?\.v4\.u32" if ", -1>" in name else r"st\.global\.v2\.u32"
+        assert len(re.findall(store, body)) == 2, f"{name}: not one {store} each for K and V"
 
 
 ATTENTION_PTX = {  # what each attention kernel must contain: 16-byte copies and loads, the matrix instructions

@@ -277,6 +277,27 @@ const char* emu_kv_compact(void* k, void* v, const int64_t* k_strides, const int
   return fk::launch_kv_compact(p, nullptr);
 }
 
+// Appending to a paged KV cache (ops.h: AppendPagedKvParams); caches are views [pages, page_size, kv_heads,
+// head_dim] with (page, slot, head) strides, the input [nnz, kv_heads, head_dim] with (token, head) strides;
+// fp8 -1: a cache of the input's dtype, else the numeric::Fp8 format.
+const char* emu_append_paged_kv(void* k, void* v, const int64_t* k_strides, const int64_t* v_strides, const void* key,
+                                const void* value, const int64_t* key_strides, const int64_t* value_strides,
+                                const int32_t* batch_indices, const int32_t* positions, const int32_t* kv_indptr,
+                                const int32_t* kv_indices, const float* k_scale, const float* v_scale,
+                                float k_scale_value, float v_scale_value, int64_t num_pages, int64_t num_indices,
+                                int64_t nnz, int batch, int kv_heads, int head_dim, int page_size, int dtype, int fp8) {
+  fk::AppendPagedKvParams p{};
+  p.k_cache = k, p.v_cache = v, p.append_key = key, p.append_value = value;
+  for (int d = 0; d < 3; ++d) p.k_strides[d] = k_strides[d], p.v_strides[d] = v_strides[d];
+  for (int d = 0; d < 2; ++d) p.key_strides[d] = key_strides[d], p.value_strides[d] = value_strides[d];
+  p.batch_indices = batch_indices, p.positions = positions, p.kv_indptr = kv_indptr, p.kv_indices = kv_indices;
+  p.k_scale = k_scale, p.v_scale = v_scale, p.k_scale_value = k_scale_value, p.v_scale_value = v_scale_value;
+  p.num_pages = num_pages, p.num_indices = num_indices, p.nnz = nnz;
+  p.batch = batch, p.kv_heads = kv_heads, p.head_dim = head_dim, p.page_size = page_size, p.dtype = DType(dtype);
+  p.quantize = fp8 >= 0, p.fp8 = fk::numeric::Fp8(fp8 >= 0 ? fp8 : 0);
+  return fk::launch_append_paged_kv(p, nullptr);
+}
+
 }  // extern "C"
 
 namespace {
