@@ -25,6 +25,7 @@ import flashkern
 #   decode:     flashinfer/decode.py         @ 002752ae3615318e75b95e2eeb716242233c0fdd
 #   prefill:    flashinfer/prefill.py        @ 002920bf8256465171c95d76519ea1cf35244865
 #   sampling:   flashinfer/sampling.py       @ 01c897d7075594003c411c0aa5e3befdf0bcae94
+#   page:       flashinfer/page.py           @ 0478a48cdf32d0b5a4f84b4b9c9e21d51ea8972a
 # single_prefill_with_kv_cache_return_lse is functools.partial(single_prefill_with_kv_cache,
 # return_lse=True) in both libraries.
 # BatchDecodeWithPagedKVCacheWrapper.plan is written as what it accepts: its literal signature is
@@ -121,6 +122,9 @@ FLASHINFER = {
     "merge_state": "v_a, s_a, v_b, s_b",
     "merge_state_in_place": "v, s, v_other, s_other, mask=None",
     "merge_states": "v, s",
+    "append_paged_kv_cache": "append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, "
+                             "kv_indptr, kv_last_page_len, kv_layout='NHD'",
+    "get_batch_indices_positions": "append_indptr, seq_lens, nnz",
     "single_decode_with_kv_cache": "q, k, v, kv_layout='NHD', pos_encoding_mode='NONE', use_tensor_cores=False, "
                                    "q_scale=None, k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, "
                                    "sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False",

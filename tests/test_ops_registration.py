@@ -48,6 +48,13 @@ def op_cases(device):
                                          torch.empty_like(xb), ws, [ws.data_ptr()], 0, False, 1e-6, 0.0)
     yield ops.allreduce_fusion.default, (xb, None, None, torch.empty_like(xb), None, None, ws, [ws.data_ptr()], 0, True,
                                          1e-6, 0.0)
+    kv = rand((5, 3, 16), torch.bfloat16, device, seed=14)
+    table = (torch.tensor([2, 0, 3], dtype=torch.int32, device=device), torch.tensor([0, 2, 3], dtype=torch.int32,
+             device=device), torch.tensor([4, 1], dtype=torch.int32, device=device))
+    where = (torch.tensor([0, 1, 0, 0, 0], dtype=torch.int32, device=device),
+             torch.tensor([4, 0, 1, 2, 3], dtype=torch.int32, device=device))
+    paged = rand((4, 2, 4, 3, 16), torch.bfloat16, device, seed=15)
+    yield ops.append_paged_kv_cache.default, (kv, -kv, *where, paged[:, 0].clone(), paged[:, 1].clone(), *table)
 
 
 def test_opcheck(device):
