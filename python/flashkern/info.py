@@ -20,6 +20,7 @@ OPS = (
     "sampling, renorm, softmax",
     "speculative sampling, tree verification",
     "optim.AdamW, clip_grad_norm_",
+    "append_paged_kv_cache",
 )
 
 
