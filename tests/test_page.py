@@ -111,9 +111,7 @@ def run_case(device, cache_dtype, dtype, layout, page_size, kv_heads, head_dim, 
     want = oracle(cache, layout, key, value, batch_indices, positions, indptr, indices,
                   1.0 if k_scale is None else k_scale.cpu() if isinstance(k_scale, torch.Tensor) else k_scale,
                   1.0 if v_scale is None else v_scale.cpu() if isinstance(v_scale, torch.Tensor) else v_scale)
-    target = (cache[:, 0], cache[:, 1]) if tuple_cache else cache
-    if tuple_cache:  # separate tensors
-        target = (cache[:, 0].clone(), cache[:, 1].clone())
+    target = (cache[:, 0].clone(), cache[:, 1].clone()) if tuple_cache else cache  # a pair: two tensors
     to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
     result = append_paged_kv_cache(key.to(device), value.to(device), batch_indices.to(device), positions.to(device),
                                    target, indices.to(device), indptr.to(device), last.to(device), layout,
@@ -328,7 +326,8 @@ def test_bad_scales(device, cache_dtype):
         (dict(v_scale=float("nan")), ValueError, r"v_scale must be a number > 0 that is finite in float32"),
         (dict(v_scale=1e39), ValueError, r"v_scale must be a number > 0 that is finite in float32"),
         (dict(k_scale=-2), ValueError, r"k_scale must be a number > 0"),
-        (dict(k_scale="1.0"), TypeError, r"k_scale must be None, a float or a float32 tensor \[num_kv_heads\], got str"),
+        (dict(k_scale="1.0"), TypeError,
+         r"k_scale must be None, a float or a float32 tensor \[num_kv_heads\], got str"),
         (dict(k_scale=True), TypeError, r"k_scale must be None, a float or a float32 tensor"),
     ]
     if device == "cpu" and not emulated(device) and torch.cuda.is_available():
