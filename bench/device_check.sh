@@ -153,7 +153,7 @@ if [ "$MODE" != bench ]; then
   export OMP_NUM_THREADS=$(nproc)
 
   # sanitizer: one or two small cases of every kernel family (norms, activations, RoPE, merge, decode, cascade,
-  # prefill, sampling, speculative, optimizer), torch's caching allocator off so memcheck sees each buffer's end
+  # prefill, sampling, speculative, optimizer, page append), torch's caching allocator off so memcheck sees each buffer's end
   SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
   CASES=(  # test ids, joined below into one -k expression (pytest's -k takes no newlines)
     "test_rmsnorm[cuda-True-bfloat16-37-769]" "test_fused_add_rmsnorm[cuda-True-bfloat16-37-5125]"
@@ -168,11 +168,12 @@ if [ "$MODE" != bench ]; then
     "test_single_prefill[cuda-NHD-bfloat16]" "test_only_kept_tokens[cuda-joint]" "test_renorm[cuda-bfloat16]"
     "test_chain_flashinfer_example[cuda]" "test_verify_tree_greedy[cuda-float32]"
     "test_matches_torch_adamw[cuda-active-0.1]" "test_nonfinite_gradient_skips_the_step[cuda]"
-    "test_16_bit_parameters_and_master_weights[cuda]")
+    "test_16_bit_parameters_and_master_weights[cuda]" "test_append_bitwise[cuda-16-HND-float8_e4m3fn-bfloat16]"
+    "test_append_bitwise[cuda-1-NHD-float16-float16]")
   K=$(printf ' or %s' "${CASES[@]}")
   SUBSET=(tests/test_norm.py tests/test_act_and_mul.py tests/test_rope.py tests/test_attention_state.py tests/test_decode.py
           tests/test_cascade.py tests/test_prefill.py tests/test_sampling.py tests/test_speculative.py tests/test_optim.py
-          -m gpu -k "${K# or }")
+          tests/test_page.py -m gpu -k "${K# or }")
   if [ "$BACKEND" != cuda ] || [ -z "$SANITIZER" ]; then
     NOTES+=("sanitizer skipped: no compute-sanitizer for $BACKEND")
   elif ! timeout 120 "$SANITIZER" --tool memcheck --error-exitcode 1 $PY -c \

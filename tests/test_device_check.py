@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "device_check_fake"
 # One test module per kernel family: the sanitizer subset must reach each with a GPU case
 FAMILIES = {"test_norm.py", "test_act_and_mul.py", "test_rope.py", "test_attention_state.py", "test_decode.py",
-            "test_cascade.py", "test_prefill.py", "test_sampling.py", "test_speculative.py", "test_optim.py"}
+            "test_cascade.py", "test_prefill.py", "test_sampling.py", "test_speculative.py", "test_optim.py",
+            "test_page.py"}
 
 pytestmark = pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("git") is None,
                                 reason="needs coreutils' timeout and git")

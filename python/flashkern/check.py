@@ -10,7 +10,7 @@ cache's cascade against flat decode. Sizes are small: the CPU reference path tak
 
 import torch
 
-from . import _backend, activation, attention, cascade, decode, kv_compress, norm, optim, prefill, ref, rope, sampling, spec
+from . import _backend, activation, attention, cascade, decode, kv_compress, norm, optim, page, prefill, ref, rope, sampling, spec
 from .prefix_cache import PrefixCache
 from .rope_scaling import cos_sin_cache, theta_inv_freq
 from .tolerances import tolerance
@@ -353,6 +353,28 @@ def _kv_compress(device, dtype, gen):
         Verdict((compacted.cpu() != want).sum(), torch.equal(compacted.cpu(), want)), None
 
 
+def _page(device, dtype, gen):
+    """append_paged_kv_cache into a 16-bit and an fp8 (per-head scales) cache: bit for bit the reference's."""
+    if dtype == torch.float32:
+        return
+    kv_lens, new = [9, 60, 203], [1, 5, 16]  # each request's length after the append, its appended tokens
+    cache, indptr, indices, last, _ = _paged_cache(dtype, device, gen, kv_lens)
+    append_indptr = _i32([0] + torch.tensor(new).cumsum(0).tolist()).to(device)
+    batch_indices, positions = page.get_batch_indices_positions(append_indptr, _i32(kv_lens).to(device), sum(new))
+    key, value = (_rand((sum(new), 2, 128), dtype, device, gen) for _ in range(2))
+    table = [t.to(device) for t in (indices, indptr, last)]
+    for name, cache_dtype, scale in (("16-bit", dtype, None), ("float8_e4m3fn", torch.float8_e4m3fn,
+                                                              torch.tensor([0.5, 2.0], device=device))):
+        got = cache.to(cache_dtype)
+        want = got.cpu().clone()
+        page.append_paged_kv_cache(key, value, batch_indices, positions, got, *table, k_scale=scale, v_scale=scale)
+        ref.page.append_paged_kv_cache(key.cpu(), value.cpu(), batch_indices.cpu(), positions.cpu(), want[:, 0],
+                                       want[:, 1], indices, indptr, last, None if scale is None else scale.cpu(),
+                                       None if scale is None else scale.cpu())
+        same = torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+        yield f"append_paged_kv_cache ({name} cache)", tuple(key.shape), Verdict(0 if same else 1, same), None
+
+
 def _tp_rank(rank, world, port, device, dtype, backend, out_dir):
     """One rank of the tensor-parallel family (a spawned process): its outputs to out_dir/rank<r>.pt."""
     import torch.distributed as dist
@@ -426,7 +448,7 @@ def _tensor_parallel(device, dtype, gen):
 FAMILIES = {"norms": _norms, "activations": _activations, "rope": _rope, "merge": _merge, "decode": _decode,
             "prefill": _prefill, "cascade": _cascade, "softmax": _softmax, "renorm": _renorm, "sampling": _sampling,
             "speculative": _speculative, "optimizer": _optimizer, "prefix cache": _prefix_cache,
-            "kv compression": _kv_compress, "tensor parallel": _tensor_parallel}
+            "kv compression": _kv_compress, "page": _page, "tensor parallel": _tensor_parallel}
 
 
 def _row(family, op, device, backend, dtype, shape, actual, expected):

@@ -13,7 +13,9 @@
 Neither reads device memory on the host: both can be captured in a CUDA graph. A GPU cannot check a token's
 request, position or page without that read, so the kernel writes nothing for a token whose batch index
 is outside the batch, whose position is negative or past its request's pages, or whose page is outside the
-cache; the CPU implementation raises ValueError for such a token.
+cache; the CPU implementation raises ValueError for such a token. Two tokens that name the same slot (a
+repeated position, or a page shared through ``kv_indices``) race on a GPU, 16 bytes at a time, so the slot may
+end up holding parts of both: give each slot one token per call.
 """
 
 import numbers

@@ -3,7 +3,7 @@ implementation and the test oracle, bit for bit what the kernel writes."""
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+from .._validate import FP8_DTYPES
 
 
 def quantize(x, dtype, scale=None, scale_value=1.0):
