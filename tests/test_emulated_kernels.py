@@ -372,9 +372,14 @@ def attention_lib(request):
     return request.getfixturevalue({"cuda": "emu", "hip-wave64": "emu_wave64", "hip-wave32": "emu_wave32"}[request.param])
 
 
-def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, sinks=None, out_scale=1.0, logits=None):
+FP8_FORMAT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.float8_e4m3fnuz: 2, torch.float8_e5m2fnuz: 3}
+
+
+def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, sinks=None, out_scale=1.0, logits=None,
+                  k_scale=None, v_scale=None):
     """The kernels on the wrapper's plan: (out, lse), both NaN before the launch; out in the plan's o_data_type;
-    logits: [batch, qo_heads, L] float32 for the kv_scores epilogue."""
+    logits: [batch, qo_heads, L] float32 for the kv_scores epilogue; an fp8 cache with k_scale / v_scale
+    [kv_heads] float32 (or None)."""
     from flashkern._paged_attention import kv_cache_views
 
     core, info = wrapper._core, wrapper._core._plan_info
@@ -398,7 +403,8 @@ def run_attention(lib, wrapper, q, paged_kv_cache, grid=None, kv_indices=None, s
                                ctypes.c_float(info["sm_scale"]), DTYPE[q.dtype], ptr(sinks), ctypes.c_float(out_scale),
                                DTYPE[out.dtype], ptr(mask), 0 if mask is None else mask.numel(),
                                ctypes.c_float(info["logits_soft_cap"]), ptr(logits),
-                               0 if logits is None else logits.shape[2]))
+                               0 if logits is None else logits.shape[2], FP8_FORMAT.get(k.dtype, -1), ptr(k_scale),
+                               ptr(v_scale)))
     return out, lse
 
 
@@ -413,17 +419,21 @@ def check_attention(out, lse, expected_o, expected_lse, dtype):
     torch.testing.assert_close(lse.double(), expected_lse.double(), atol=1e-5, rtol=1e-5)
 
 
-def decode_plan(lengths, page_size, kv_heads, group, head_dim, dtype, kv_layout="NHD", seed=0, min_chunk=64):
+def decode_plan(lengths, page_size, kv_heads, group, head_dim, dtype, kv_layout="NHD", seed=0, min_chunk=64,
+                kv_dtype=None):
     from paged_kv import paged, random_kv
 
     import flashkern
 
-    cache, indptr, indices, last = paged(random_kv(lengths, kv_heads, head_dim, seed), page_size, kv_layout, dtype,
+    kv_dtype = kv_dtype or dtype
+    cache, indptr, indices, last = paged(random_kv(lengths, kv_heads, head_dim, seed), page_size, kv_layout, kv_dtype,
                                          seed=seed)
     q = rand((len(lengths), kv_heads * group, head_dim), dtype, "cpu", seed=seed + 1)
     wrapper = flashkern.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8), kv_layout)
     wrapper._core._min_chunk = min_chunk
-    wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype)
+    wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=dtype,
+                 kv_data_type=kv_dtype)
+    wrapper._test_tables = (indptr, indices, last)
     expected = ref.batch_decode(q.double(), cache.double(), indptr, indices, last, kv_layout)
     return wrapper, q, cache, expected
 
@@ -442,6 +452,35 @@ def test_batch_attention_kernels(attention_lib, group, head_dim, page_size, dtyp
     wrapper, q, cache, (eo, e_lse) = decode_plan([1, 37, 0, 300], page_size, 2, group, head_dim, dtype)
     assert wrapper._core._plan_info["grid"][3] == 1  # something to merge
     check_attention(*run_attention(attention_lib, wrapper, q, cache), eo, e_lse, dtype)
+
+
+# (group, head_dim, page_size, dtype, fp8 format): the decode kernel, the 16-row and the 64-row tiles
+FP8_CASES = [
+    (1, 128, 16, torch.float16, torch.float8_e4m3fn), (4, 64, 1, torch.bfloat16, torch.float8_e5m2),
+    (8, 256, 16, torch.bfloat16, torch.float8_e4m3fn), (32, 128, 3, torch.float16, torch.float8_e5m2),
+    (2, 128, 16, torch.bfloat16, torch.float8_e4m3fnuz), (24, 64, 16, torch.float16, torch.float8_e5m2fnuz),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,dtype,fp8", FP8_CASES)
+def test_batch_attention_kernels_fp8(request, attention_lib, group, head_dim, page_size, dtype, fp8):
+    """An fp8 cache (NaN in its unused slots) with per-head k_scale and v_scale: the kernels equal float64
+    attention over the dequantized values. The fnuz formats are AMD's: the CUDA launcher refuses them."""
+    nvidia = request.node.callspec.params["attention_lib"] == "cuda"
+    check_fp8_attention(attention_lib, nvidia, group, head_dim, page_size, dtype, fp8)
+
+
+def check_fp8_attention(lib, nvidia, group, head_dim, page_size, dtype, fp8):
+    wrapper, q, cache, _ = decode_plan([1, 37, 0, 300], page_size, 2, group, head_dim, dtype, kv_dtype=fp8)
+    k_scale, v_scale = torch.tensor([0.75, 1.5]), torch.tensor([1.25, 0.5])
+    if nvidia and "fnuz" in str(fp8):
+        with pytest.raises(AssertionError, match="fp8 format"):
+            run_attention(lib, wrapper, q, cache, k_scale=k_scale, v_scale=v_scale)
+        return
+    assert wrapper._core._plan_info["grid"][3] == 1  # something to merge
+    scale = torch.stack([k_scale, v_scale]).double()[None, :, None, :, None]  # [pages, K/V, slot, head, D]
+    eo, e_lse = ref.batch_decode(q.double(), cache.double() * scale, *wrapper._test_tables, "NHD")
+    check_attention(*run_attention(lib, wrapper, q, cache, k_scale=k_scale, v_scale=v_scale), eo, e_lse, dtype)
 
 
 @pytest.mark.parametrize("kv_layout,tuple_cache", [("HND", False), ("NHD", True)])
@@ -1131,6 +1170,8 @@ def test_every_kernel_and_path(attention_lib):
     test_merge_states_kernel_in_place_with_mask(lib)
     for group, head_dim, page_size in ((2, 128, 1), (8, 64, 16), (24, 128, 16)):  # decode, 16-row, 64-row tiles
         test_batch_attention_kernels(lib, group, head_dim, page_size, torch.bfloat16)
+    for group, head_dim, fp8 in ((1, 64, torch.float8_e4m3fn), (8, 64, torch.float8_e5m2), (24, 64, torch.float8_e4m3fn)):
+        check_fp8_attention(lib, False, group, head_dim, 16, torch.float16, fp8)  # the fp8 staging, each kernel
     test_batch_attention_kernels_loop_over_items(lib)
     test_batch_attention_kernels_page_outside_the_cache(lib, "minus_one")
     test_batch_attention_kernels_causal_queries(lib, 5, 13)

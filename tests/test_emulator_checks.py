@@ -149,6 +149,26 @@ MUTANTS = {
         "      store16(&k_tile[tile_key * kPitch + c], make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]));",
         None, "test_kv_scores_kernel and cuda and float16-4-128", r"store16 \(a global store",
     ),
+    # an fp8 cache: the thread's chunks dequantized after the barrier that the other warps read them behind
+    "fp8_dequantize_after_the_barrier": (
+        "include/flashkern/kernels/multi_query_attention.cuh",
+        "        pipe.dequantize(it, p.kv_format);  // an fp8 cache: its stage was last read by tile it - kStages, "
+        "before the last barrier\n        __syncthreads();",
+        "        __syncthreads();\n        pipe.dequantize(it, p.kv_format);",
+        "thread", "test_batch_attention_kernels_fp8 and cuda and 8-256", r"ThreadSanitizer: data race",
+    ),
+    # an fp8 cache's v_scale applied twice, and e5m2 decoded as e4m3: wrong values
+    "fp8_v_scale_twice": (
+        "include/flashkern/kernels/attention_tiles.cuh",
+        "    f.scale *= v_scale;", "    f.scale *= v_scale * v_scale;",
+        None, "test_batch_attention_kernels_fp8 and cuda and 1-128", r"Mismatched elements|AssertionError",
+    ),
+    "fp8_e5m2_as_e4m3": (
+        "include/flashkern/kernels/attention_tiles.cuh",
+        "case int(Fp8::e5m2): return dequantize_as<Fp8::e5m2>(tile);",
+        "case int(Fp8::e5m2): return dequantize_as<Fp8::e4m3fn>(tile);",
+        None, "test_batch_attention_kernels_fp8 and cuda and 4-64", r"Mismatched elements|AssertionError",
+    ),
     # the all-reduce's flag protocol (kernels/allreduce.cuh), each mutant a GPU failure seen in the field:
     # a plain load of the flag where an acquire is needed (a peer's data read before it is visible)
     "allreduce_missing_acquire": (

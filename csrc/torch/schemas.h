@@ -44,10 +44,13 @@ inline void define_schemas(torch::Library& m) {
   // kernels and (0 or 1) the merge. sinks: [qo_heads] float32 sink logits; out_scale scales out;
   // custom_mask: uint8, the plan's masks as little-endian bits; logits_soft_cap > 0: cap * tanh(x / cap);
   // logits: float32 [batch, qo_heads, L], the decode and 16-row kernels' logits (base 2) for kv_scores.
+  // k_cache / v_cache may be fp8 (q stays 16-bit), with k_scale / v_scale [kv_heads] float32 multiplying
+  // its K (the logit) and V (the output) per KV head.
   m.def(
       "batch_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] kv_indices, Tensor(a!) workspace, "
       "Tensor(b!) out, Tensor(c!) lse, int[] grid, float sm_scale, Tensor? sinks=None, float out_scale=1.0, "
-      "bool enable_pdl=False, Tensor? custom_mask=None, float logits_soft_cap=0.0, Tensor(d!)? logits=None) -> ()");
+      "bool enable_pdl=False, Tensor? custom_mask=None, float logits_soft_cap=0.0, Tensor(d!)? logits=None, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   // one token per row of probs [rows, vocab] float32 (or per indices entry): filter 'none', 'top_k',
   // 'top_p', 'min_p' or 'top_k_top_p' (joint), each parameter a scalar or a [batch] tensor; random
   // numbers from Philox keyed by seed and offset (values or [1] / [batch] int64 tensors). Returns the

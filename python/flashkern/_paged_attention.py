@@ -17,6 +17,7 @@ import torch
 from . import _C, _backend, ref
 from ._validate import (
     ATTENTION_DTYPES,
+    FP8_KV_DTYPES,
     MIN_SOFT_CAP,
     check_aligned,
     check_batch_attention,
@@ -102,8 +103,10 @@ def single_request_kv(op, q, k, v, kv_layout, q_shape):
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape[2] != q.shape[-1]:
         raise ValueError(f"{op}: k and v must have q's head_dim {q.shape[-1]}, got {k.shape[2]}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{op}: k and v must have q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    fp8 = k.dtype in FP8_KV_DTYPES and q.dtype in ATTENTION_DTYPES  # an fp8 cache under a 16-bit q
+    if not (k.dtype == q.dtype or fp8) or v.dtype != k.dtype:
+        raise TypeError(f"{op}: k and v must have q's dtype {q.dtype} (or one fp8 dtype under a float16 / bfloat16 q), "
+                        f"got {k.dtype} and {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"{op}: k and v must be on q's device {q.device}, got {k.device} and {v.device}")
     return k, v
@@ -114,15 +117,38 @@ def check_kv_layout(op, kv_layout):
         raise ValueError(f"{op}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
 
 
+FP8_NAMES = tuple(str(t).removeprefix("torch.") for t in FP8_KV_DTYPES)
+
+
 def attention_dtype(op, name, value, default=None):
-    """q_data_type / kv_data_type: a torch dtype or its name ("float16", "bfloat16")."""
+    """q_data_type / kv_data_type: a torch dtype or its name ("float16", "bfloat16"); kv_data_type may
+    also be an fp8 dtype ("float8_e4m3fn", "float8_e5m2", AMD's "float8_e4m3fnuz", "float8_e5m2fnuz")."""
     if value is None:
         return default
+    allowed = ATTENTION_DTYPES + (FP8_KV_DTYPES if name == "kv_data_type" else ())
     if isinstance(value, str):
-        value = getattr(torch, value, None) if value in ("float16", "bfloat16", "half") else value
-    if value not in ATTENTION_DTYPES:
-        raise TypeError(f"{op}: {name} must be torch.float16 or torch.bfloat16, got {value!r}")
+        value = getattr(torch, value, None) if value in ("float16", "bfloat16", "half") + FP8_NAMES else value
+    if value not in allowed:
+        fp8 = ", or an fp8 dtype (torch.float8_e4m3fn, torch.float8_e5m2, or AMD's fnuz ones)" \
+            if name == "kv_data_type" else ""
+        raise TypeError(f"{op}: {name} must be torch.float16 or torch.bfloat16{fp8}, got {value!r}")
     return value
+
+
+def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
+    """FlashInfer's k_scale / v_scale as (a number, a [num_kv_heads] float32 tensor or None): None (1), a
+    finite number (folded into sm_scale / the output by the caller), or, for an fp8 cache, a float tensor
+    of 1 or num_kv_heads elements on the cache's device (read by the kernels: no host sync)."""
+    if not isinstance(value, torch.Tensor):
+        return scale_factor(op, name, value), None
+    if kv_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"{op}: {name} as a tensor needs an fp8 kv_data_type (a 16-bit cache takes a number), "
+                         f"got a tensor with a {kv_dtype} cache")
+    if not value.is_floating_point() or value.numel() not in (1, num_kv_heads) or value.dim() > 1 or \
+            value.device != device:
+        raise ValueError(f"{op}: {name} must be a number or a floating tensor of 1 or num_kv_heads ({num_kv_heads}) "
+                         f"elements on {device}, got {value.dtype} of shape {tuple(value.shape)} on {value.device}")
+    return 1.0, value.to(torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
 
 
 def reject_unsupported(op, **options):
@@ -294,8 +320,8 @@ class PagedAttention:
             check_positive_int(op, name, value)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{op}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if kv_dtype != q_dtype:
-            raise TypeError(f"{op}: kv_data_type must equal q_data_type ({q_dtype}), got {kv_dtype}")
+        if kv_dtype != q_dtype and kv_dtype not in FP8_KV_DTYPES:
+            raise TypeError(f"{op}: kv_data_type must equal q_data_type ({q_dtype}) or be an fp8 dtype, got {kv_dtype}")
         sm_scale = float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)
         logits_soft_cap = soft_cap_value(op, logits_soft_cap)
         check_window_left(op, window_left)
@@ -346,7 +372,7 @@ class PagedAttention:
             grid = [min(c, 1 << 20) for c in counts] + [int(needs_merge)]
         self._plan_info = {
             "batch": batch, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "page_size": page_size, "dtype": q_dtype, "o_dtype": o_dtype or q_dtype, "sm_scale": sm_scale,
+            "page_size": page_size, "dtype": q_dtype, "kv_dtype": kv_dtype, "o_dtype": o_dtype or q_dtype, "sm_scale": sm_scale,
             "grid": grid, "max_page": max_page, "logits_soft_cap": logits_soft_cap, "custom_mask": custom_mask,
             "window_left": window_left, "causal": causal,
             # one paged level, no custom mask: what kv_scores (H2O's running scores) can follow; the host
@@ -388,15 +414,16 @@ class PagedAttention:
         if tuple(k.shape[1:]) != planned:
             raise ValueError(f"{op}: paged_kv_cache has (page_size, num_kv_heads, head_dim) = {tuple(k.shape[1:])}, "
                              f"the plan has {planned} ({self._kv_layout} layout)")
-        if k.dtype != q.dtype:
-            raise TypeError(f"{op}: paged_kv_cache must have q's dtype {q.dtype}, got {k.dtype}")
+        if k.dtype != info["kv_dtype"]:
+            raise TypeError(f"{op}: paged_kv_cache must have the planned kv_data_type {info['kv_dtype']}, got {k.dtype}")
         if info["max_page"] >= k.shape[0]:
             raise ValueError(f"{op}: the page tables hold page index {info['max_page']}, but paged_kv_cache has "
                              f"{k.shape[0]} pages")
         self._num_pages = k.shape[0]
         sm_scale = info["sm_scale"] if sm_scale is None else scale_factor(op, "sm_scale", sm_scale)
-        sm_scale *= scale_factor(op, "q_scale", q_scale) * scale_factor(op, "k_scale", k_scale)
-        out_scale = scale_factor(op, "v_scale", v_scale)
+        k_factor, k_scales = kv_scale_arg(op, "k_scale", k_scale, k.dtype, k.shape[2], k.device)
+        out_scale, v_scales = kv_scale_arg(op, "v_scale", v_scale, k.dtype, k.shape[2], k.device)
+        sm_scale *= scale_factor(op, "q_scale", q_scale) * k_factor
         sinks = sink_logits(op, sinks, info["num_qo_heads"], q.device)
         out = torch.empty(q.shape, dtype=info["o_dtype"], device=q.device) if out is None else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
@@ -405,12 +432,14 @@ class PagedAttention:
         if out.dtype != info["o_dtype"]:
             raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
         cap = info["logits_soft_cap"] if logits_soft_cap is None else soft_cap_value(op, logits_soft_cap)
+        if kv_scores is not None and k.dtype in FP8_KV_DTYPES:
+            raise ValueError(f"{op}: kv_scores (H2O) reads a 16-bit cache; this one is {k.dtype}")
         score_tables = None if kv_scores is None else self._score_tables(op, kv_scores)
         logits = None
         if score_tables is not None and self._scores_from_logits(k, score_tables[-1]):
             logits = torch.empty(*q.shape[:2], score_tables[-1], dtype=torch.float32, device=q.device)
         args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale, pdl,
-                info["custom_mask"], cap, logits)
+                info["custom_mask"], cap, logits, k_scales, v_scales)
         if _backend.use_reference(q.device):
             _batch_attention_cpu(*args)
         else:
@@ -485,12 +514,12 @@ def check_distinct_pages(op, kv_indptr, indices):
 
 
 def scale_factor(op, name, value):
-    """FlashInfer's q_scale / k_scale / v_scale: None (1) or a finite number."""
+    """FlashInfer's q_scale (and a 16-bit cache's k_scale / v_scale): None (1) or a finite number."""
     if value is None:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{op}: {name} must be None or a finite number (per-tensor scales are not supported by "
-                         f"flashkern), got {value!r}")
+        raise ValueError(f"{op}: {name} must be None or a finite number (a tensor of scales needs an fp8 KV cache), "
+                         f"got {value!r}")
     return float(value)
 
 
@@ -516,7 +545,7 @@ def sink_logits(op, sinks, num_qo_heads, device):
 
 
 def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None, out_scale=1.0, custom_mask=None,
-               logits_soft_cap=0.0, logits=None):
+               logits_soft_cap=0.0, logits=None, k_scale=None, v_scale=None):
     """ref.batch_attention on the plan and the partial-state buffers of a workspace."""
     batch, heads, head_dim = q.shape
     head = workspace[:64]
@@ -526,7 +555,7 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
     partial_v = workspace[v_at : v_at + 4 * slots * heads * head_dim].view(torch.float32).view(slots, heads, head_dim)
     words = workspace[: 4 * int_words].view(torch.int32)
     return ref.batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks, out_scale,
-                               custom_mask, logits_soft_cap, logits)
+                               custom_mask, logits_soft_cap, logits, k_scale, v_scale)
 
 
 # ---- CPU: the reference, with the same checks as the kernels ----
@@ -534,11 +563,13 @@ def _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks=None,
 
 @_backend.register_cpu("batch_attention")
 def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                         out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0, logits=None):
+                         out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0, logits=None,
+                         k_scale=None, v_scale=None):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          sinks, out_scale, custom_mask, logits_soft_cap, logits=logits)
+                          sinks, out_scale, custom_mask, logits_soft_cap, logits=logits, k_scale=k_scale,
+                          v_scale=v_scale)
     o, s = _reference(q, k_cache, v_cache, kv_indices, workspace, sm_scale, sinks, out_scale, custom_mask,
-                      logits_soft_cap, logits)
+                      logits_soft_cap, logits, k_scale, v_scale)
     out.copy_(o)
     lse.copy_(s)
 
@@ -548,6 +579,8 @@ def _batch_attention_cpu(q, k_cache, v_cache, kv_indices, workspace, out, lse, g
 
 @torch.library.register_fake("flashkern::batch_attention")
 def _batch_attention_fake(q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0, logits=None):
+                          out_scale=1.0, enable_pdl=False, custom_mask=None, logits_soft_cap=0.0, logits=None,
+                          k_scale=None, v_scale=None):
     check_batch_attention("batch_attention", q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale,
-                          sinks, out_scale, custom_mask, logits_soft_cap, addresses=False, logits=logits)
+                          sinks, out_scale, custom_mask, logits_soft_cap, addresses=False, logits=logits,
+                          k_scale=k_scale, v_scale=v_scale)

@@ -185,6 +185,8 @@ def check_state(op, v_name, v, s_name, s, reference, stacked=False):
 
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+# an fp8 KV cache's dtypes (q stays 16-bit): OCP's formats (NVIDIA and AMD), AMD's fnuz ones (MI300)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 HEAD_DIMS = (64, 128, 256)
 MAX_LEVELS = _C.MAX_LEVELS  # attention levels: kv_indices pointers travel in the kernels' parameters
 
@@ -219,13 +221,15 @@ MIN_SOFT_CAP = 1e-6  # smaller caps would overflow the kernels' float scale (sm_
 
 
 def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, lse, grid, sm_scale, sinks=None,
-                          out_scale=1.0, custom_mask=None, logits_soft_cap=0.0, addresses=True, logits=None):
+                          out_scale=1.0, custom_mask=None, logits_soft_cap=0.0, addresses=True, logits=None,
+                          k_scale=None, v_scale=None):
     """torch.ops.flashkern.batch_attention's arguments: q [batch, qo_heads, D], k_cache and v_cache
     [pages, page_size, kv_heads, D] (any strides, D contiguous), kv_indices a list of 1-D int32
     tensors, a uint8 workspace, out [batch, qo_heads, D] (float16 or bfloat16) and lse [batch,
     qo_heads] float32, both contiguous, grid four non-negative ints, a finite sm_scale, sinks None or
     [qo_heads] float32, a finite out_scale, custom_mask None or 1-D uint8 (packed bits), a finite
-    logits_soft_cap >= 0, logits None or [batch, qo_heads, L] float32 contiguous. addresses=False (fake
+    logits_soft_cap >= 0, logits None or [batch, qo_heads, L] float32 contiguous; an fp8 cache (q's dtype
+    otherwise) with k_scale / v_scale None or [kv_heads] float32 contiguous. addresses=False (fake
     tensors, which have none): skip the alignment of workspace and out."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("workspace", workspace), ("out", out),
                     ("lse", lse)):
@@ -236,7 +240,11 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
     check_last_dim_contiguous(op, "q", q)
     check_head_dim(op, q.shape[2])
-    check_same(op, "k_cache", k_cache, "q", q, same_shape=False)
+    if k_cache.dtype in FP8_KV_DTYPES:
+        if k_cache.device != q.device:
+            raise ValueError(f"{op}: k_cache is on {k_cache.device} but q is on {q.device}")
+    else:
+        check_same(op, "k_cache", k_cache, "q", q, same_shape=False)
     check_same(op, "v_cache", v_cache, "k_cache", k_cache)
     if k_cache.dim() != 4 or k_cache.shape[3] != q.shape[2]:
         raise ValueError(
@@ -286,6 +294,16 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
             raise ValueError(f"{op}: custom_mask must be a contiguous 1-D uint8 tensor (packed bits) on {q.device}")
     if not math.isfinite(logits_soft_cap) or not (logits_soft_cap == 0 or logits_soft_cap >= MIN_SOFT_CAP):
         raise ValueError(f"{op}: logits_soft_cap must be 0 (none) or a finite number >= 1e-6, got {logits_soft_cap}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        check_tensor(op, name, scale)
+        if k_cache.dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"{op}: {name} as a tensor needs an fp8 cache (a 16-bit one takes a number)")
+        if scale.dtype != torch.float32 or tuple(scale.shape) != (kv_heads,) or not scale.is_contiguous() or \
+                scale.device != k_cache.device:
+            raise ValueError(f"{op}: {name} must be a contiguous float32 tensor of shape ({kv_heads},) (one per KV "
+                             f"head) on {k_cache.device}")
     if logits is not None:
         check_logits(op, logits, q, 0)
         if len(kv_indices) != 1 or custom_mask is not None or grid[2] != 0:

@@ -109,12 +109,14 @@ class MultiLevelCascadeAttentionWrapper:
 
     begin_forward = plan
 
-    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, *, sinks=None):
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, *, sinks=None, k_scale=None, v_scale=None):
         """q ``[tokens, num_qo_heads, head_dim]`` -> out (q's dtype), and lse ``[tokens, num_qo_heads]``
         float32 (natural log) with ``return_lse``. ``sinks`` ``[num_qo_heads]``: one more logit per
         head, of value zero, in each query's softmax over all its levels (as in
-        BatchDecodeWithPagedKVCacheWrapper.run); lse includes it."""
-        out, lse = self._core._run("MultiLevelCascadeAttentionWrapper.run", q, paged_kv_cache, out, lse, sinks)
+        BatchDecodeWithPagedKVCacheWrapper.run); lse includes it. ``k_scale`` / ``v_scale`` (flashkern's
+        addition): as in BatchDecodeWithPagedKVCacheWrapper.run, for an fp8 cache planned with kv_data_type."""
+        out, lse = self._core._run("MultiLevelCascadeAttentionWrapper.run", q, paged_kv_cache, out, lse, sinks,
+                                   k_scale=k_scale, v_scale=v_scale)
         return (out, lse) if return_lse else out
 
     forward = run

@@ -287,7 +287,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
     check_window_left(op, window_left)
-    wrapper = _single_plan(q.device, q.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
+    wrapper = _single_plan(q.device, q.dtype, k.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
                            None if sm_scale is None else float(sm_scale), window_left)
     # the whole sequence as one page of kv_len tokens
     out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None, sinks, q_scale, k_scale, v_scale,
@@ -296,7 +296,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
 
 
 @functools.lru_cache(maxsize=32)
-def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left):
+def _single_plan(device, dtype, kv_dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left):
     """A planned wrapper for one request of kv_len tokens, with room to split it over every block
     the device runs at once."""
     slots = PagedAttention.cta_budget(device) + 1
@@ -304,5 +304,6 @@ def _single_plan(device, dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm
     wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     wrapper._plan("single_decode_with_kv_cache", i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads,
-                  head_dim, kv_len, q_data_type=dtype, sm_scale=sm_scale, window_left=window_left)
+                  head_dim, kv_len, q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=sm_scale,
+                  window_left=window_left)
     return wrapper

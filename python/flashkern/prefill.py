@@ -463,11 +463,11 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     cap = soft_cap_value(op, logits_soft_cap)
     sm_scale = None if sm_scale is None else scale_factor(op, "sm_scale", sm_scale)
     if custom_mask is None and packed_custom_mask is None:
-        wrapper = _single_plan(q.device, q.dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim,
-                               causal, sm_scale, window_left, cap)
+        wrapper = _single_plan(q.device, q.dtype, k.dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads,
+                               head_dim, causal, sm_scale, window_left, cap)
     else:
-        wrapper = _plan_single(q.device, q.dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim,
-                               causal, sm_scale, window_left, cap, custom_mask, packed_custom_mask)
+        wrapper = _plan_single(q.device, q.dtype, k.dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads,
+                               head_dim, causal, sm_scale, window_left, cap, custom_mask, packed_custom_mask)
     out, lse = wrapper._core._run(op, q, (k.unsqueeze(1), v.unsqueeze(1)), None, None, sinks, None, k_scale, v_scale,
                                   kv_layout="NHD")
     return (out, lse) if return_lse else out
@@ -476,13 +476,14 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
 
 
-def _plan_single(device, dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, sm_scale,
-                 window_left, cap, custom_mask=None, packed_custom_mask=None):
+def _plan_single(device, dtype, kv_dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal,
+                 sm_scale, window_left, cap, custom_mask=None, packed_custom_mask=None):
     """A ragged wrapper planned for one request, with a workspace sized by a dry run of its plan."""
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     qo, kv = i32([0, qo_len]), i32([0, kv_len])
     args = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, sm_scale=sm_scale,
-                window_left=window_left, logits_soft_cap=cap, q_data_type=dtype, o_data_type=o_dtype)
+                window_left=window_left, logits_soft_cap=cap, q_data_type=dtype, kv_data_type=kv_dtype,
+                o_data_type=o_dtype)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device))
     nbytes = wrapper._plan_ragged(**_ragged_arguments(qo, kv, num_qo_heads, num_kv_heads, head_dim, args), dry_run=True)
     wrapper.reset_workspace_buffer(torch.empty(nbytes, dtype=torch.uint8, device=device))

@@ -113,7 +113,7 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
                                 int qo_heads, int kv_heads, int head_dim, int page_size, float sm_scale, int dtype,
                                 const float* sinks, float out_scale, int out_dtype, const uint8_t* custom_mask,
                                 int64_t custom_mask_bytes, float logits_soft_cap, float* logits,
-                                int64_t logits_stride) {
+                                int64_t logits_stride, int kv_format, const float* k_scale, const float* v_scale) {
   fk::BatchAttentionParams p{};
   p.out = out, p.lse = lse, p.q = q, p.k_cache = k_cache, p.v_cache = v_cache;
   p.q_strides[0] = q_strides[0], p.q_strides[1] = q_strides[1];
@@ -128,6 +128,7 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   p.sinks = sinks, p.out_scale = out_scale, p.out_dtype = DType(out_dtype);
   p.custom_mask = custom_mask, p.custom_mask_bytes = custom_mask_bytes, p.logits_soft_cap = logits_soft_cap;
   p.logits = logits, p.logits_stride = logits_stride;
+  p.kv_format = kv_format, p.k_scale = k_scale, p.v_scale = v_scale;
   return fk::launch_batch_attention(p, nullptr);
 }
 

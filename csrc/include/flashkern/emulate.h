@@ -276,11 +276,12 @@ struct Barrier {
                                // (a thread resumed late must not acquire the next round's arrivals)
 };
 
-// A cp.async copy (platform.h: cp_async16) not landed yet, and its commit group (the thread's
+// A cp.async copy (platform.h: cp_async16, cp_async8) not landed yet, and its commit group (the thread's
 // count of commits when it was issued).
 struct AsyncCopy {
   void* dst;
   uint8_t bytes[16];
+  uint8_t size;  // 16 or 8
   uint64_t group;
 };
 
@@ -790,19 +791,22 @@ gpuError_t gpuSetMaxDynamicShared(Kernel kernel, int bytes) {
 // until then its destination holds 0xff bytes (NaN as fp16 and bf16), so a read that a missing
 // wait or barrier leaves too early shows up. Emulating HIP, it is done at once, as on AMD.
 namespace fk {
-inline void cp_async16(void* smem, const void* gmem, bool valid) {
-  emu::AsyncCopy copy{smem, {}, 0};
-  if (valid) std::memcpy(copy.bytes, gmem, 16);
+template <int kBytes>
+void cp_async(void* smem, const void* gmem, bool valid) {
+  emu::AsyncCopy copy{smem, {}, kBytes, 0};
+  if (valid) std::memcpy(copy.bytes, gmem, kBytes);
 #if defined(FK_EMULATE_HIP)
-  std::memcpy(smem, copy.bytes, 16);
+  std::memcpy(smem, copy.bytes, kBytes);
 #else
-  std::memset(smem, 0xff, 16);
+  std::memset(smem, 0xff, kBytes);
   emu::Untracked untracked;
   emu::Thread& t = emu::me();
   copy.group = t.commits;
   t.async_copies.push_back(copy);
 #endif
 }
+inline void cp_async16(void* smem, const void* gmem, bool valid) { cp_async<16>(smem, gmem, valid); }
+inline void cp_async8(void* smem, const void* gmem, bool valid) { cp_async<8>(smem, gmem, valid); }
 inline void cp_async_commit() {
   emu::Untracked untracked;
   ++emu::me().commits;
@@ -817,7 +821,7 @@ void cp_async_wait() {  // lands the copies of every group but the newest kPendi
     copies = t.async_copies.data();
     while (landing < t.async_copies.size() && t.async_copies[landing].group + kPending < t.commits) ++landing;
   }
-  for (size_t i = 0; i < landing; ++i) std::memcpy(copies[i].dst, copies[i].bytes, 16);  // the copies' writes: tracked
+  for (size_t i = 0; i < landing; ++i) std::memcpy(copies[i].dst, copies[i].bytes, copies[i].size);  // the copies' writes: tracked
   emu::Untracked untracked;
   std::vector<emu::AsyncCopy>& in_flight = emu::me().async_copies;
   in_flight.erase(in_flight.begin(), in_flight.begin() + std::ptrdiff_t(landing));

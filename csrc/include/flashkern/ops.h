@@ -134,7 +134,7 @@ struct BatchAttentionParams {
   float* lse;                    // [batch, qo_heads], contiguous
   const void* q;                 // [batch, qo_heads, head_dim] dtype, 16-byte aligned rows
   int64_t q_strides[2];          // batch, head (elements)
-  const void* k_cache;           // [num_pages, page_size, kv_heads, head_dim] dtype, 16-byte aligned rows
+  const void* k_cache;           // [num_pages, page_size, kv_heads, head_dim] dtype (or fp8), aligned rows
   const void* v_cache;           // the same shape
   int64_t k_strides[3], v_strides[3];  // page, slot in page, head (elements)
   int64_t num_pages;             // a page index outside [0, num_pages) makes its query's output NaN
@@ -153,7 +153,11 @@ struct BatchAttentionParams {
   float sm_scale;
   float logits_soft_cap;         // > 0: logits are cap * tanh(logit / cap) (Gemma2); 0: none
   float out_scale;               // FlashInfer's v_scale: 1 for plain attention
-  DType dtype;                   // q and the cache: f16 or bf16
+  DType dtype;                   // q, and the cache unless it is fp8: f16 or bf16
+  int kv_format;                 // -1: the cache holds dtype; else an fp8 cache's numeric::Fp8 (strides in its
+                                 // 1-byte elements, rows 8-byte aligned)
+  const float* k_scale;          // [kv_heads] an fp8 cache's dequantization scales (read on the device), or nullptr
+  const float* v_scale;          //   (a scalar scale is folded into sm_scale / out_scale by the caller)
   DType out_dtype;               // f16 or bf16 (o_data_type)
   bool pdl;                      // programmatic dependent launches where the device has them (platform.h)
   // kv_scores' epilogue: [queries, qo_heads, logits_stride] float32, or nullptr. The decode and 16-row
@@ -514,6 +518,9 @@ const char* launch_act_and_mul_backward(const ActAndMulBackwardParams& p, void* 
 const char* launch_rope(const RopeParams& p, void* stream);
 const char* launch_merge_states(const MergeStatesParams& p, void* stream);
 const char* launch_batch_attention(const BatchAttentionParams& p, void* stream);
+// The fp8 caches this build's batch attention reads: bit f for numeric::Fp8 f (OCP's formats on CUDA,
+// AMD's FNUZ ones too on HIP).
+uint32_t batch_attention_fp8_formats();
 const char* launch_sampling(const SamplingParams& p, void* stream);
 const char* launch_renorm(const RenormParams& p, void* stream);
 const char* launch_softmax(const SoftmaxParams& p, void* stream);

@@ -29,7 +29,7 @@
 //   fk::gpuSetMaxDynamicShared(kernel, bytes)  allow more than 48 KB of it (CUDA needs the opt-in)
 //   FK_WARP_SIZE_MISMATCH(kWarp)               true when a kernel instantiated for kWarp is compiled
 //                                              for a device whose wavefront is another width
-//   fk::cp_async16 / cp_async_commit / cp_async_wait<n>
+//   fk::cp_async16 / cp_async8 / cp_async_commit / cp_async_wait<n>
 //                                              16-byte global -> shared copies: cp.async on CUDA
 //                                              (FK_ASYNC_COPY), a plain load and store elsewhere
 //   fk::matrix_unit<kWarp>()                   the warp matrix instructions this pass compiles for:
@@ -330,7 +330,8 @@ FK_DEVICE uint16_t float_to_half_bits(float f) { return __builtin_bit_cast(uint1
 #endif
 
 // ---- 16-byte asynchronous copies, global -> shared ----
-// cp_async16 copies 16 bytes, or writes 16 zero bytes when !valid (gmem is then not read).
+// cp_async16 copies 16 bytes, or writes 16 zero bytes when !valid (gmem is then not read);
+// cp_async8 the same with 8 (an fp8 KV cache's 8-element chunks).
 // A thread's copies complete in the groups it commits; cp_async_wait<n>() returns once at most n
 // of its groups are still in flight, and then its own copies are visible to itself (other
 // threads need a barrier too). Without cp.async (HIP, emulation) the copy is done at once.
@@ -351,6 +352,15 @@ FK_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
                : "memory");
 #else
   *static_cast<uint4*>(smem) = valid ? *static_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+#endif
+}
+FK_DEVICE void cp_async8(void* smem, const void* gmem, bool valid) {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS)
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 8 : 0)
+               : "memory");  // .cg takes only 16 bytes
+#else
+  *static_cast<uint2*>(smem) = valid ? *static_cast<const uint2*>(gmem) : make_uint2(0, 0);
 #endif
 }
 FK_DEVICE void cp_async_commit() {

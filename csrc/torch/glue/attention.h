@@ -98,18 +98,48 @@ std::tuple<Tensor, Tensor> merge_states(const Tensor& v, const Tensor& s) {
 
 // ---- batch attention over a paged KV cache ----
 
-// 16-byte aligned start and rows (every stride but the last a multiple of 8 elements).
+// 16-byte aligned start and rows (every stride but the last a multiple of 8 elements); 8-byte for
+// fp8 (the kernels copy 8 of its elements at a time).
 bool rows_aligned16(const Tensor& t) {
-  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (8 * t.element_size()) == 0;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   return ok;
+}
+
+// An fp8 cache's numeric::Fp8, or -1 for any other dtype.
+int fp8_format(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat8_e4m3fn:
+      return int(fk::numeric::Fp8::e4m3fn);
+    case at::kFloat8_e5m2:
+      return int(fk::numeric::Fp8::e5m2);
+    case at::kFloat8_e4m3fnuz:
+      return int(fk::numeric::Fp8::e4m3fnuz);
+    case at::kFloat8_e5m2fnuz:
+      return int(fk::numeric::Fp8::e5m2fnuz);
+    default:
+      return -1;
+  }
+}
+
+// An fp8 cache's k_scale / v_scale: [kv_heads] float32 on the cache's device, or nullptr.
+const float* kv_scale(const char* op, const char* name, const std::optional<Tensor>& scale, int kv_format,
+                      int64_t kv_heads, const Tensor& cache) {
+  if (!scale.has_value()) return nullptr;
+  FK_CHECK_VALUE(kv_format >= 0, op, ": ", name, " as a tensor needs an fp8 cache (a 16-bit one takes a number)");
+  FK_CHECK_VALUE(scale->scalar_type() == at::kFloat && scale->dim() == 1 && scale->size(0) == kv_heads &&
+                     scale->is_contiguous() && scale->device() == cache.device(),
+                 op, ": ", name, " must be a contiguous float32 tensor of shape (", kv_heads, ",) (one per KV head) on ",
+                 cache.device());
+  return scale->const_data_ptr<float>();
 }
 
 void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, at::TensorList kv_indices,
                      Tensor& workspace, Tensor& out, Tensor& lse, at::IntArrayRef grid, double sm_scale,
                      const std::optional<Tensor>& sinks, double out_scale, bool enable_pdl,
                      const std::optional<Tensor>& custom_mask, double logits_soft_cap,
-                     const std::optional<Tensor>& logits) {
+                     const std::optional<Tensor>& logits, const std::optional<Tensor>& k_scale,
+                     const std::optional<Tensor>& v_scale) {
   const char* op = "batch_attention";
   FK_CHECK_VALUE(q_in.dim() == 3, op, ": q must be 3-D [batch, num_qo_heads, head_dim], got shape ",
                     as_tuple(q_in.sizes()));
@@ -119,7 +149,16 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   const int64_t batch = q_in.size(0), qo_heads = q_in.size(1), head_dim = q_in.size(2);
   FK_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op,
                     ": head_dim must be 64, 128 or 256, got ", head_dim);
-  check_same(op, "k_cache", k_cache, "q", q_in, /*same_shape=*/false);
+  const int kv_format = fp8_format(k_cache.scalar_type());
+  if (kv_format < 0) {
+    check_same(op, "k_cache", k_cache, "q", q_in, /*same_shape=*/false);
+  } else {
+    FK_CHECK_VALUE(k_cache.device() == q_in.device(), op, ": k_cache is on ", k_cache.device(), " but q is on ",
+                   q_in.device());
+    FK_CHECK_TYPE(fk::batch_attention_fp8_formats() >> kv_format & 1, op, ": kv_data_type ",
+                  dtype_name(k_cache.scalar_type()), " is not supported on this device (NVIDIA GPUs read "
+                  "torch.float8_e4m3fn and torch.float8_e5m2; the fnuz formats are AMD's)");
+  }
   check_same(op, "v_cache", v_cache, "k_cache", k_cache);
   FK_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(3) == head_dim, op,
                     ": k_cache must be 4-D [pages, page_size, num_kv_heads, head_dim] with q's head_dim ", head_dim,
@@ -132,8 +171,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   FK_CHECK_VALUE(page_size > 0 && page_size < (int64_t(1) << 31), op, ": page_size must be in [1, 2^31), got ",
                     page_size);
   FK_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache), op,
-                    ": paged_kv_cache must start on a 16-byte boundary and have strides that are multiples of 8 "
-                    "elements (the kernels read it 16 bytes at a time), got strides ",
+                    ": paged_kv_cache must start on a ", 8 * k_cache.element_size(), "-byte boundary and have strides "
+                    "that are multiples of 8 elements (the kernels read 8 elements at a time), got strides ",
                     as_tuple(k_cache.strides()));
   FK_CHECK_VALUE(kv_indices.size() >= 1 && kv_indices.size() <= size_t(fk::kMaxLevels), op,
                     ": kv_indices must be a list of 1 to ", fk::kMaxLevels, " tensors (one per level)");
@@ -184,6 +223,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                    ": logits need a plan of one level, no custom mask and no 64-row tiles (grid[2] == 0): the "
                    "kernels write a key's logit at its position in that level");
   }
+  const float* k_scales = kv_scale(op, "k_scale", k_scale, kv_format, kv_heads, k_cache);
+  const float* v_scales = kv_scale(op, "v_scale", v_scale, kv_format, kv_heads, k_cache);
   if (batch == 0) return;
 
   const c10::DeviceGuard guard(q_in.device());
@@ -223,6 +264,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   p.logits_soft_cap = float(logits_soft_cap);
   p.out_scale = float(out_scale);
   p.dtype = to_dtype(q.scalar_type());
+  p.kv_format = kv_format;
+  p.k_scale = k_scales, p.v_scale = v_scales;
   p.out_dtype = to_dtype(out.scalar_type());
   p.pdl = enable_pdl;
   p.logits = logits.has_value() ? logits->data_ptr<float>() : nullptr;

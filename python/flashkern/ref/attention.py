@@ -214,7 +214,7 @@ def final_state(v, s, sinks, out_scale):
 
 
 def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks=None, out_scale=1.0,
-                    custom_mask=None, logits_soft_cap=0.0, logits_out=None):
+                    custom_mask=None, logits_soft_cap=0.0, logits_out=None, k_scale=None, v_scale=None):
     """The plan in `words` run with torch, item by item as the kernels run it: each item's state over
     its KV chunk (query i of a group sees the tokens j with first <= j - i <= last, and its custom
     mask's bits) goes straight to (out, lse), finished with the sinks and out_scale, for a query
@@ -222,7 +222,8 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
     merged and finished. q [batch, qo_heads, D], k_cache / v_cache [pages, page_size, kv_heads, D]
     -> (out, lse), in the compute dtype. logits_out [batch, qo_heads, L]: kv_scores' epilogue, the base-2
     logit of each key a query sees, written by the decode and 16-row items (not the 64-row ones). A page index outside the cache raises ValueError (the
-    kernels write NaN for the query instead)."""
+    kernels write NaN for the query instead). An fp8 cache is dequantized exactly (its values as floats),
+    times k_scale / v_scale [kv_heads] where given."""
     batch, qo_heads, head_dim = q.shape
     num_pages, page_size, kv_heads = k_cache.shape[:3]
     group = qo_heads // kv_heads
@@ -247,6 +248,10 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
                     f"outside the cache's {num_pages} pages"
                 )
             k, v = k_cache[pages, pos % page_size].to(c), v_cache[pages, pos % page_size].to(c)  # [n, kv_heads, D]
+            if k_scale is not None:
+                k = k * k_scale.to(c)[:, None]
+            if v_scale is not None:
+                v = v * v_scale.to(c)[:, None]
             heads = kv_heads_of[:, None] * group + head_in_group[None, :]  # [kv_heads, rows]: the q heads
             logits = soft_cap(torch.einsum("hrd,nhd->hrn", q[t[None, :], heads].to(c), k) * sm_scale, logits_soft_cap)
             offset = pos[None, :] - i[:, None]

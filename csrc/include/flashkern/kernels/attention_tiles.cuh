@@ -2,6 +2,8 @@
 // into shared memory, and writing a query's state to its output or to its slot.
 #pragma once
 
+#include <type_traits>
+
 #include "flashkern/attention_state.h"
 #include "flashkern/attention_work.h"
 #include "flashkern/divmod.h"
@@ -38,14 +40,15 @@ FK_DEVICE AttentionWorkItem load_item(const BatchAttentionParams& p, AttentionKi
 }
 
 // A score q.k as the base-2 logit the online softmax takes: times sm_scale, soft-capped where asked
-// (cap * tanh(logit / cap)), times log2 e. The cap is uniform: one branch the whole grid takes alike.
+// (cap * tanh(logit / cap)), times log2 e; an fp8 cache's per-head k_scale scales the logit. The cap is uniform: one branch the whole grid takes alike.
 // tanh(y) = 1 - 2 / (e^2y + 1): one exp2 and a fast division (tanhf, or an IEEE division, costs the
 // decode kernel a spill); the error is absolute, a few 1e-7 * cap in the logit.
 struct LogitMap {
   float scale;  // applied to q.k first: sm_scale * log2 e, or 2 y log2 e under a soft cap (y = sm_scale q.k / cap)
   float cap;    // cap * log2 e, or 0: no soft cap
-  FK_DEVICE explicit LogitMap(const BatchAttentionParams& p)
-      : scale(p.logits_soft_cap > 0.f ? 2.f * kLog2e * p.sm_scale / p.logits_soft_cap : p.sm_scale * kLog2e),
+  FK_DEVICE LogitMap(const BatchAttentionParams& p, int kv_head)  // the head's k_scale joins sm_scale
+      : scale((p.logits_soft_cap > 0.f ? 2.f * kLog2e * p.sm_scale / p.logits_soft_cap : p.sm_scale * kLog2e) *
+              (p.k_scale != nullptr ? p.k_scale[kv_head] : 1.f)),
         cap(p.logits_soft_cap > 0.f ? p.logits_soft_cap * kLog2e : 0.f) {}
   FK_DEVICE float operator()(float scaled) const {
     return cap > 0.f ? cap - fast_div(2.f * cap, exp2f(scaled) + 1.f) : scaled;
@@ -67,8 +70,26 @@ FK_DEVICE int tile_offset(int row, int d) {
   return row * kHeadDim + kVec16Bit * (kSwizzle ? chunk ^ (row & 7) : chunk) + d % kVec16Bit;
 }
 
+// An fp8 KV element as fp32, exactly: its bits placed in a half (whose exponent range holds every
+// e4m3 and e5m2 value, subnormals included) and scaled by 2^(15 - bias); NaN codes fixed up. E5M2FNUZ's
+// top exponent is past half's: the generic decode.
+template <numeric::Fp8 F>
+FK_HOST_DEVICE float fp8_to_float(uint32_t b) {
+  using numeric::Fp8;
+  if constexpr (F == Fp8::e5m2fnuz) {
+    return numeric::fp8_bits_to_float(uint8_t(b), F);
+  } else {
+    constexpr bool kE4m3 = F != Fp8::e5m2;
+    const uint16_t h = uint16_t(((b & 0x80u) << 8) | ((b & 0x7fu) << (kE4m3 ? 7 : 8)));
+    const float x = to_float(half_t{h}) * (F == Fp8::e4m3fn ? 256.f : F == Fp8::e4m3fnuz ? 128.f : 1.f);
+    if constexpr (F == Fp8::e4m3fn) return (b & 0x7fu) == 0x7fu ? NAN : x;
+    if constexpr (F == Fp8::e4m3fnuz) return (b & 0xffu) == 0x80u ? NAN : x;
+    return x;  // e5m2: inf and NaN are half's own
+  }
+}
+
 // Streams one work item's KV chunk of one KV head through kStages shared-memory stages of
-// [kRows, kHeadDim] K and V tiles, 16 bytes per copy: thread i copies column chunk i % kChunks of
+// [kRows, kHeadDim] K and V tiles of T, 16 bytes per copy: thread i copies column chunk i % kChunks of
 // rows i / kChunks + j * kRowsPerPass. The pages of the tile to be copied next are looked up one
 // tile ahead, so that the index loads are off the copies' critical path. A row past the chunk's end
 // copies the chunk's last token again (the kernels give it a zero weight; its values are finite,
@@ -76,16 +97,25 @@ FK_DEVICE int tile_offset(int row, int d) {
 // page table and one check covers them all: a page index outside the cache (any int32, -1 included)
 // zero-fills and sets `poisoned`, and the kernel then writes NaN for the query instead of reading
 // out of bounds. The caller commits and waits (cp.async groups).
-template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle>
+// An fp8 cache (fp8 = p.kv_format >= 0) is copied 8 bytes (a chunk) at a time into the staging area
+// right after the stages (kStagingBytes, laid out as the tiles), and dequantize(tile) turns the
+// thread's own chunks into T in the tile once they have landed: exact (every fp8 value is a 16-bit
+// float of either kind), no barrier (the copier converts), the scales left to the kernels (LogitMap,
+// StateSink). kFp8 is a template parameter and each kernel has an fp8 instantiation of its own: the
+// 16-bit kernels stay as lean as they were (the 64-row tile of head_dim 256 and the decode kernel are
+// at their register limits); the format (e4m3 / e5m2) is a run-time switch in dequantize.
+template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle, bool kFp8>
 struct KVPipeline {
   static constexpr int kChunks = kHeadDim / kVec16Bit;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPasses = kRows / kRowsPerPass;
   static constexpr int kStageElems = 2 * kRows * kHeadDim;  // K, then V
+  static constexpr int kStagingBytes = kStages * kStageElems;  // an fp8 cache's landing area
   static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass, whole passes per tile");
 
-  const T* k;  // this KV head's K and V, chunk column included
-  const T* v;
+  using C = std::conditional_t<kFp8, uint8_t, T>;  // the cache's elements
+  const C* k;  // this KV head's K and V, chunk column included
+  const C* v;
   int64_t k_page, k_slot, v_page, v_slot;  // strides
   const int32_t* pages;                     // the group's entries of kv_indices
   uint32_t entries;                         // how many there are in the page table from `pages` on
@@ -96,15 +126,15 @@ struct KVPipeline {
   int chunk, row0;
   int next;                 // the first token of the tile that the next copy() copies
   int32_t page[kPasses];    // its pages, row by row
-  T* stages;                // kStages x kStageElems in shared memory
+  T* stages;                // kStages x kStageElems in shared memory, then an fp8 cache's staging
   bool poisoned = false;    // a page outside the cache was named
 
   FK_DEVICE KVPipeline(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid, T* stages_)
       : page_size(p.page_div), stages(stages_) {
     chunk = tid % kChunks;
     row0 = tid / kChunks;
-    k = static_cast<const T*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kVec16Bit;
-    v = static_cast<const T*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kVec16Bit;
+    k = static_cast<const C*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kVec16Bit;
+    v = static_cast<const C*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kVec16Bit;
     k_page = p.k_strides[0], k_slot = p.k_strides[1], v_page = p.v_strides[0], v_slot = p.v_strides[1];
     pages = level_indices(p, item.level) + item.page_begin;
     const int32_t left = level_entries(p, item.level) - item.page_begin;
@@ -117,6 +147,14 @@ struct KVPipeline {
   FK_DEVICE int tiles() const { return int(ceil_div(kv_end - kv_begin, kRows)); }
   FK_DEVICE const T* k_tile(int tile) const { return stages + (tile % kStages) * kStageElems; }
   FK_DEVICE const T* v_tile(int tile) const { return k_tile(tile) + kRows * kHeadDim; }
+  // Where the copies land: the stages, or an fp8 cache's staging right after them.
+  FK_DEVICE C* landing() const {
+    if constexpr (kFp8) {
+      return reinterpret_cast<uint8_t*>(stages + kStages * kStageElems);
+    } else {
+      return stages;
+    }
+  }
 
   // Looks up tile 0 and copies the first kStages - 1 tiles, a commit group each.
   FK_DEVICE void start() {
@@ -130,7 +168,7 @@ struct KVPipeline {
 
   // Copies `tile` (the next one in order) into its stage and looks up the pages of the one after.
   FK_DEVICE void copy(int tile) {
-    T* k = stages + (tile % kStages) * kStageElems;
+    C* k = landing() + (tile % kStages) * kStageElems;
     issue(k, k + kRows * kHeadDim);
     lookup(kv_begin + (tile + 1) * kRows);
   }
@@ -153,8 +191,8 @@ struct KVPipeline {
   // The token a row at `pos` copies: itself, or the chunk's last one past the end.
   FK_DEVICE int last_token(int pos) const { return pos < kv_end ? pos : kv_end - 1; }
 
-  // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each).
-  FK_DEVICE void issue(T* k_tile, T* v_tile) {
+  // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each, of C).
+  FK_DEVICE void issue(C* k_tile, C* v_tile) {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
@@ -164,8 +202,43 @@ struct KVPipeline {
       page_size.divmod(uint32_t(last_token(next + row)), q, slot);
       const int64_t pg = in_cache ? page[i] : 0;
       const int off = tile_offset<kHeadDim, kSwizzle>(row, chunk * kVec16Bit);
-      cp_async16(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
-      cp_async16(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
+      if constexpr (kFp8) {  // a chunk of 8 elements is 8 bytes
+        cp_async8(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
+        cp_async8(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
+      } else {
+        cp_async16(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
+        cp_async16(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
+      }
+    }
+  }
+
+  // An fp8 cache (numeric::Fp8 fp8): this thread's chunks of `tile`, landed in staging (its
+  // cp_async_wait), as T in the tile. A 16-bit cache: nothing.
+  FK_DEVICE void dequantize(int tile, int fp8) {
+    using numeric::Fp8;
+    if constexpr (!kFp8) return;
+    switch (fp8) {  // uniform: one loop runs
+      case int(Fp8::e4m3fn): return dequantize_as<Fp8::e4m3fn>(tile);
+      case int(Fp8::e5m2): return dequantize_as<Fp8::e5m2>(tile);
+#if !defined(FK_CUDA)  // AMD's formats: HIP builds and the emulator
+      case int(Fp8::e4m3fnuz): return dequantize_as<Fp8::e4m3fnuz>(tile);
+      case int(Fp8::e5m2fnuz): return dequantize_as<Fp8::e5m2fnuz>(tile);
+#endif
+      default: return;
+    }
+  }
+  template <numeric::Fp8 F>
+  FK_DEVICE void dequantize_as(int tile) {
+#pragma unroll 2  // a few shared loads in flight, not all: the kernels have no registers to spare
+    for (int i = 0; i < 2 * kPasses; ++i) {  // K's rows, then V's
+      const int row = row0 + (i % kPasses) * kRowsPerPass;
+      const int off = (tile % kStages) * kStageElems + (i / kPasses) * kRows * kHeadDim +
+                      tile_offset<kHeadDim, kSwizzle>(row, chunk * kVec16Bit);
+      const uint2 b = *reinterpret_cast<const uint2*>(landing() + off);
+      Vec<T, kVec16Bit> x;
+#pragma unroll
+      for (int e = 0; e < kVec16Bit; ++e) x.set(e, fp8_to_float<F>((e < 4 ? b.x : b.y) >> (8 * (e % 4))));
+      *reinterpret_cast<uint4*>(stages + off) = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);  // st.shared.v4
     }
   }
 };
@@ -204,9 +277,11 @@ struct StateSink {
   float* lse;       // the lse or partial_s entry
   float sink;       // the head's sink logit (-inf: none) and out_scale, for a finished state
   float out_scale;
+  float v_scale;    // an fp8 cache's per-head v_scale (1: none), for every state: the merge is linear in V
 
   FK_DEVICE StateSink(const BatchAttentionParams& p, int t, int head, int slot)
-      : out(nullptr), out_at(0), out_dtype(p.out_dtype), partial(nullptr), sink(-INFINITY), out_scale(p.out_scale) {
+      : out(nullptr), out_at(0), out_dtype(p.out_dtype), partial(nullptr), sink(-INFINITY), out_scale(p.out_scale),
+        v_scale(p.v_scale != nullptr ? p.v_scale[blockIdx.y] : 1.f) {  // every attention kernel's y: its KV head
     const int* indptr = p.plan + plan_header(p).merge_indptr;
     const int64_t row = int64_t(t) * p.qo_heads + head;
     if (indptr[t + 1] - indptr[t] == 1) {
@@ -221,7 +296,11 @@ struct StateSink {
     }
   }
   // The factor for the normalized values of a state with natural-log sum-exp s, and the lse to store.
-  FK_DEVICE FinalState finish(float s) const { return out != nullptr ? final_state(s, sink, out_scale) : FinalState{1.f, s}; }
+  FK_DEVICE FinalState finish(float s) const {
+    FinalState f = out != nullptr ? final_state(s, sink, out_scale) : FinalState{1.f, s};
+    f.scale *= v_scale;
+    return f;
+  }
   FK_DEVICE void store2(int d, float a, float b) const {
     if (out != nullptr) {
       store_output(out, out_dtype, out_at + d, {a, b});

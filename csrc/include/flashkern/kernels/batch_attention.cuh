@@ -78,7 +78,8 @@ decltype(auto) with_decode_group(int group, F&& f) {
 // Launches kKernel with `bytes` of dynamic shared memory. Above 48 KB a CUDA kernel needs its own
 // opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize), given here once per kernel and device
 // (devices 0-63) rather than on every launch: the flag is a static of this instantiation, and each
-// kernel is its own instantiation.
+// kernel is its own instantiation, whose launches all ask the same bytes (the fp8 cache's kernels are
+// instantiations of their own, with their staging).
 template <auto kKernel>
 const char* launch_tiles(int blocks, int kv_heads, int threads, int bytes, const BatchAttentionParams& p,
                          gpuStream_t stream) {
@@ -97,33 +98,41 @@ const char* launch_tiles(int blocks, int kv_heads, int threads, int bytes, const
   return last_launch_error();
 }
 
+template <int kWarp, typename T, int D, bool kFp8>
+const char* run_attention_kernels(const BatchAttentionParams& p, gpuStream_t stream) {
+  const char* error = nullptr;
+  if (p.grid[0] > 0) {
+    error = with_decode_group(p.qo_heads / p.kv_heads, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      using S = DecodeShape<D>;
+      return launch_tiles<decode_attention_kernel<T, D, G, kFp8>>(p.grid[0], p.kv_heads, S::kThreads,
+                                                                  S::shared_bytes(G, kFp8), p, stream);
+    });
+    if (error) return error;
+  }
+  if (p.grid[1] > 0) {
+    using S = TileShape<D, 16, kWarp>;
+    error = launch_tiles<multi_query_attention_kernel<T, D, 16, kWarp, kFp8>>(p.grid[1], p.kv_heads, S::kThreads,
+                                                                             S::shared_bytes(kFp8), p, stream);
+    if (error) return error;
+  }
+  if (p.grid[2] > 0) {
+    using S = TileShape<D, 64, kWarp>;
+    error = launch_tiles<multi_query_attention_kernel<T, D, 64, kWarp, kFp8>>(p.grid[2], p.kv_heads, S::kThreads,
+                                                                             S::shared_bytes(kFp8), p, stream);
+  }
+  return error;
+}
+
 template <int kWarp>
 const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t stream) {
   return with_dtype16(p.dtype, [&](auto t) {
     using T = decltype(t);
     return with_head_dim(p.head_dim, [&](auto d) -> const char* {
       constexpr int D = decltype(d)::value;
-      const char* error = nullptr;
-      if (p.grid[0] > 0) {
-        error = with_decode_group(p.qo_heads / p.kv_heads, [&](auto g) {
-          constexpr int G = decltype(g)::value;
-          return launch_tiles<decode_attention_kernel<T, D, G>>(p.grid[0], p.kv_heads, DecodeShape<D>::kThreads,
-                                                                 DecodeShape<D>::shared_bytes(G), p, stream);
-        });
-        if (error) return error;
-      }
-      if (p.grid[1] > 0) {
-        using S = TileShape<D, 16, kWarp>;
-        error = launch_tiles<multi_query_attention_kernel<T, D, 16, kWarp>>(p.grid[1], p.kv_heads, S::kThreads,
-                                                                            S::kSharedBytes, p, stream);
-        if (error) return error;
-      }
-      if (p.grid[2] > 0) {
-        using S = TileShape<D, 64, kWarp>;
-        error = launch_tiles<multi_query_attention_kernel<T, D, 64, kWarp>>(p.grid[2], p.kv_heads, S::kThreads,
-                                                                            S::kSharedBytes, p, stream);
-        if (error) return error;
-      }
+      const char* error = p.kv_format >= 0 ? run_attention_kernels<kWarp, T, D, true>(p, stream)
+                                           : run_attention_kernels<kWarp, T, D, false>(p, stream);
+      if (error) return error;
       if (p.grid[3] > 0 && p.batch > 0) {
         constexpr int kRowsPerBlock = kMergeBlock / (D / kVec16Bit);
         const int64_t blocks = ceil_div(int64_t(p.batch) * p.qo_heads, kRowsPerBlock);

@@ -7,7 +7,8 @@
 // sums, then a butterfly over the sub-warp. Online softmax in base 2 with pre-scaled q, fp32.
 // K/V tiles stream through a cp.async pipeline of kStages; each thread reads back only the
 // vectors it copied, so the pipeline needs no barrier. The sub-warps' states are merged in shared
-// memory at the end. Bytes: the chunk's K and V (2 * tokens * head_dim * 2), q and the output.
+// memory at the end. Bytes: the chunk's K and V (2 * tokens * head_dim * 2, or * 1 from an fp8 cache),
+// q and the output.
 #pragma once
 
 #include "flashkern/kernels/attention_tiles.cuh"
@@ -22,21 +23,21 @@ struct DecodeShape {
   static constexpr int kTokensPerSubwarp = 4;                  // per tile: independent loads in flight
   static constexpr int kTile = kSubwarps * kTokensPerSubwarp;  // 64, 32, 16 tokens
   static constexpr int kStages = kAsyncCopy ? 3 : 1;
-  static FK_HOST_DEVICE constexpr int shared_bytes(int group) {
-    const int tiles = kStages * 2 * kTile * kHeadDim * 2;  // K and V, 16-bit
+  static constexpr int kTileBytes = kStages * 2 * kTile * kHeadDim * 2;  // K and V, 16-bit
+  static FK_HOST_DEVICE constexpr int shared_bytes(int group, bool fp8) {
+    const int tiles = kTileBytes + (fp8 ? kTileBytes / 2 : 0);  // an fp8 cache lands in staging after them
     const int merge = kSubwarps * group * (kHeadDim + 2) * 4;  // o, m, l of every sub-warp
     return tiles > merge ? tiles : merge;
   }
 };
 
-template <typename T, int kHeadDim, int kGroup>
-__global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionParams p) {  // 4 blocks/SM
-  pdl_wait();  // before any global memory access (platform.h: PDL)
+template <typename T, int kHeadDim, int kGroup, bool kFp8>
+FK_DEVICE void decode_items(const BatchAttentionParams& p) {
   using S = DecodeShape<kHeadDim>;
-  using Pipeline = KVPipeline<T, kHeadDim, S::kTile, S::kThreads, S::kStages, false>;
+  using Pipeline = KVPipeline<T, kHeadDim, S::kTile, S::kThreads, S::kStages, false, kFp8>;
   FK_DYNAMIC_SHARED(smem);
   const int lane = threadIdx.x % S::kLanes, sub = threadIdx.x / S::kLanes, kv_head = blockIdx.y;
-  const LogitMap logit(p);
+  const LogitMap logit(p, kv_head);
   const int count = plan_header(p).count[int(AttentionKind::decode)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
@@ -56,13 +57,14 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
       m[h] = -INFINITY, l[h] = 0.f;
     }
 
-    Pipeline kv(p, item, kv_head, threadIdx.x, reinterpret_cast<T*>(smem));
+    Pipeline kv(p, item, kv_head, threadIdx.x, reinterpret_cast<T*>(smem));  // fp8 staging at kTileBytes
     kv.start();
     const int tiles_n = kv.tiles();
     for (int it = 0; it < tiles_n; ++it) {
       if (it + S::kStages - 1 < tiles_n) kv.copy(it + S::kStages - 1);
       cp_async_commit();
       cp_async_wait<S::kStages - 1>();  // this thread's copies of tile `it` have landed
+      kv.dequantize(it, p.kv_format);  // an fp8 cache: its own chunks, the ones it reads below
       const T* k_tile = kv.k_tile(it);
       const T* v_tile = kv.v_tile(it);
       float x[S::kTokensPerSubwarp][kGroup];
@@ -147,6 +149,13 @@ __global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionP
                                        [](int) { return true; });  // the planner gives the query only chunks it sees
     __syncthreads();  // the next item's copies overwrite the parts
   }
+}
+
+// kFp8: an fp8 cache (its own instantiation: the 16-bit kernel keeps its registers)
+template <typename T, int kHeadDim, int kGroup, bool kFp8>
+__global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionParams p) {  // 4 blocks/SM
+  pdl_wait();  // before any global memory access (platform.h: PDL)
+  decode_items<T, kHeadDim, kGroup, kFp8>(p);
   pdl_launch_dependents();  // this block has read and written what it will
 }
 

@@ -28,17 +28,19 @@ struct TileShape {
   static constexpr int kQElems = kItemRows * kHeadDim;
   static constexpr int kStageElems = 2 * kTileN * kHeadDim;  // K and V
   static constexpr int kSharedBytes = 2 * (kQElems + kStages * kStageElems);
+  static constexpr int kStagingBytes = kStages * kStageElems;  // an fp8 cache's landing area, after the rest
+  static FK_HOST_DEVICE constexpr int shared_bytes(bool fp8) { return kSharedBytes + (fp8 ? kStagingBytes : 0); }
   // tile16's epilogue: every warp's o in the K/V stages, its m and l where q was
   static_assert(kWide || kWarpsN * kItemRows * kHeadDim * 4 <= kStages * kStageElems * 2, "merge parts fit");
   static_assert(kWide || kWarpsN * kItemRows * 2 * 4 <= kQElems * 2, "m and l fit the q tile");
 };
 
-template <typename T, int kHeadDim, int kItemRows, int kWarp>
+template <typename T, int kHeadDim, int kItemRows, int kWarp, bool kFp8>
 FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   using S = TileShape<kHeadDim, kItemRows, kWarp>;
   using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>()>;
   static_assert(Warp::kRows == S::kWarpRows, "the warp tile has the rows the shape planned for");
-  using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true>;
+  using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true, kFp8>;
   constexpr AttentionKind kKind = S::kWide ? AttentionKind::tile64 : AttentionKind::tile16;
   constexpr int kChunks = kHeadDim / kVec16Bit, kSlots = Warp::kRowSlots;
   FK_DYNAMIC_SHARED(smem);
@@ -47,7 +49,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM, kv_head = blockIdx.y;
   const int group = p.qo_heads / p.kv_heads;
-  const LogitMap logit(p);
+  const LogitMap logit(p, kv_head);
   const int count = plan_header(p).count[int(kKind)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, kKind, w);
@@ -68,7 +70,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
       cp_async16(q_tile + swizzled<kHeadDim>(r, d), src, r < rows);
     }
 
-    Pipeline pipe(p, item, kv_head, threadIdx.x, kv);
+    Pipeline pipe(p, item, kv_head, threadIdx.x, kv);  // fp8 staging at kSharedBytes
     pipe.start();  // the first commit group carries q too
     const int tiles_n = pipe.tiles();
 
@@ -83,12 +85,15 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     for (int it = 0; it < tiles_n; ++it) {
       if constexpr (S::kStages > 1) {
         cp_async_wait<S::kStages - 2>();
+        pipe.dequantize(it, p.kv_format);  // an fp8 cache: its stage was last read by tile it - kStages, before the last barrier
         __syncthreads();  // tile `it` has landed for every thread, and every warp is done with tile it - 1
         if (it + S::kStages - 1 < tiles_n) pipe.copy(it + S::kStages - 1);
         cp_async_commit();
       } else {
         __syncthreads();  // every warp is done with the previous tile
         pipe.copy(it);
+        cp_async_wait<0>();
+        pipe.dequantize(it, p.kv_format);
         __syncthreads();
       }
       const T* k_tile = pipe.k_tile(it) + wn * S::kWarpTokens * kHeadDim;  // this warp's tokens
@@ -193,14 +198,15 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
 template <int kItemRows>
 inline constexpr int kTileBlocksPerSM = kItemRows == 64 ? 2 : 3;
 
-template <typename T, int kHeadDim, int kItemRows, int kWarp>
+// kFp8: an fp8 cache (its own instantiation: the 16-bit kernel keeps its registers)
+template <typename T, int kHeadDim, int kItemRows, int kWarp, bool kFp8>
 __global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp>::kThreads), kTileBlocksPerSM<kItemRows>)
     multi_query_attention_kernel(BatchAttentionParams p) {
   pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
     trap();
   } else {
-    multi_query_items<T, kHeadDim, kItemRows, kWarp>(p);
+    multi_query_items<T, kHeadDim, kItemRows, kWarp, kFp8>(p);
   }
   pdl_launch_dependents();  // this block has read and written what it will
 }
