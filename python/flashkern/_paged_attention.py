@@ -17,7 +17,7 @@ import torch
 from . import _C, _backend, ref
 from ._validate import (
     ATTENTION_DTYPES,
-    FP8_KV_DTYPES,
+    FP8_DTYPES,
     MIN_SOFT_CAP,
     check_aligned,
     check_batch_attention,
@@ -103,7 +103,7 @@ def single_request_kv(op, q, k, v, kv_layout, q_shape):
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape[2] != q.shape[-1]:
         raise ValueError(f"{op}: k and v must have q's head_dim {q.shape[-1]}, got {k.shape[2]}")
-    fp8 = k.dtype in FP8_KV_DTYPES and q.dtype in ATTENTION_DTYPES  # an fp8 cache under a 16-bit q
+    fp8 = k.dtype in FP8_DTYPES and q.dtype in ATTENTION_DTYPES  # an fp8 cache under a 16-bit q
     if not (k.dtype == q.dtype or fp8) or v.dtype != k.dtype:
         raise TypeError(f"{op}: k and v must have q's dtype {q.dtype} (or one fp8 dtype under a float16 / bfloat16 q), "
                         f"got {k.dtype} and {v.dtype}")
@@ -117,7 +117,7 @@ def check_kv_layout(op, kv_layout):
         raise ValueError(f"{op}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
 
 
-FP8_NAMES = tuple(str(t).removeprefix("torch.") for t in FP8_KV_DTYPES)
+FP8_NAMES = tuple(str(t).removeprefix("torch.") for t in FP8_DTYPES)
 
 
 def attention_dtype(op, name, value, default=None):
@@ -125,7 +125,7 @@ def attention_dtype(op, name, value, default=None):
     also be an fp8 dtype ("float8_e4m3fn", "float8_e5m2", AMD's "float8_e4m3fnuz", "float8_e5m2fnuz")."""
     if value is None:
         return default
-    allowed = ATTENTION_DTYPES + (FP8_KV_DTYPES if name == "kv_data_type" else ())
+    allowed = ATTENTION_DTYPES + (FP8_DTYPES if name == "kv_data_type" else ())
     if isinstance(value, str):
         value = getattr(torch, value, None) if value in ("float16", "bfloat16", "half") + FP8_NAMES else value
     if value not in allowed:
@@ -141,7 +141,7 @@ def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
     of 1 or num_kv_heads elements on the cache's device (read by the kernels: no host sync)."""
     if not isinstance(value, torch.Tensor):
         return scale_factor(op, name, value), None
-    if kv_dtype not in FP8_KV_DTYPES:
+    if kv_dtype not in FP8_DTYPES:
         raise ValueError(f"{op}: {name} as a tensor needs an fp8 kv_data_type (a 16-bit cache takes a number), "
                          f"got a tensor with a {kv_dtype} cache")
     if not value.is_floating_point() or value.numel() not in (1, num_kv_heads) or value.dim() > 1 or \
@@ -320,7 +320,7 @@ class PagedAttention:
             check_positive_int(op, name, value)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{op}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if kv_dtype != q_dtype and kv_dtype not in FP8_KV_DTYPES:
+        if kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
             raise TypeError(f"{op}: kv_data_type must equal q_data_type ({q_dtype}) or be an fp8 dtype, got {kv_dtype}")
         sm_scale = float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)
         logits_soft_cap = soft_cap_value(op, logits_soft_cap)
@@ -432,7 +432,7 @@ class PagedAttention:
         if out.dtype != info["o_dtype"]:
             raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
         cap = info["logits_soft_cap"] if logits_soft_cap is None else soft_cap_value(op, logits_soft_cap)
-        if kv_scores is not None and k.dtype in FP8_KV_DTYPES:
+        if kv_scores is not None and k.dtype in FP8_DTYPES:
             raise ValueError(f"{op}: kv_scores (H2O) reads a 16-bit cache; this one is {k.dtype}")
         score_tables = None if kv_scores is None else self._score_tables(op, kv_scores)
         logits = None

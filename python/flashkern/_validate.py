@@ -186,7 +186,7 @@ def check_state(op, v_name, v, s_name, s, reference, stacked=False):
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 # an fp8 KV cache's dtypes (q stays 16-bit): OCP's formats (NVIDIA and AMD), AMD's fnuz ones (MI300)
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 HEAD_DIMS = (64, 128, 256)
 MAX_LEVELS = _C.MAX_LEVELS  # attention levels: kv_indices pointers travel in the kernels' parameters
 
@@ -240,7 +240,7 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
     check_last_dim_contiguous(op, "q", q)
     check_head_dim(op, q.shape[2])
-    if k_cache.dtype in FP8_KV_DTYPES:
+    if k_cache.dtype in FP8_DTYPES:
         if k_cache.device != q.device:
             raise ValueError(f"{op}: k_cache is on {k_cache.device} but q is on {q.device}")
     else:
@@ -298,7 +298,7 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         if scale is None:
             continue
         check_tensor(op, name, scale)
-        if k_cache.dtype not in FP8_KV_DTYPES:
+        if k_cache.dtype not in FP8_DTYPES:
             raise ValueError(f"{op}: {name} as a tensor needs an fp8 cache (a 16-bit one takes a number)")
         if scale.dtype != torch.float32 or tuple(scale.shape) != (kv_heads,) or not scale.is_contiguous() or \
                 scale.device != k_cache.device:
@@ -692,7 +692,6 @@ def check_kv_compact(k_cache, v_cache, scores, kv_indptr, kv_indices, kept, kept
 
 # ---- appending to a paged KV cache (csrc/torch/glue/page.h) ----
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 MAX_APPEND_VECTORS = 2**30  # nnz * num_kv_heads * head_dim / 8: the kernel's 32-bit thread index
 
 

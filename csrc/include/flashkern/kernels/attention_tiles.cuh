@@ -70,23 +70,43 @@ FK_DEVICE int tile_offset(int row, int d) {
   return row * kHeadDim + kVec16Bit * (kSwizzle ? chunk ^ (row & 7) : chunk) + d % kVec16Bit;
 }
 
-// An fp8 KV element as fp32, exactly: its bits placed in a half (whose exponent range holds every
-// e4m3 and e5m2 value, subnormals included) and scaled by 2^(15 - bias); NaN codes fixed up. E5M2FNUZ's
-// top exponent is past half's: the generic decode.
-template <numeric::Fp8 F>
-FK_HOST_DEVICE float fp8_to_float(uint32_t b) {
-  using numeric::Fp8;
-  if constexpr (F == Fp8::e5m2fnuz) {
-    return numeric::fp8_bits_to_float(uint8_t(b), F);
-  } else {
-    constexpr bool kE4m3 = F != Fp8::e5m2;
-    const uint16_t h = uint16_t(((b & 0x80u) << 8) | ((b & 0x7fu) << (kE4m3 ? 7 : 8)));
-    const float x = to_float(half_t{h}) * (F == Fp8::e4m3fn ? 256.f : F == Fp8::e4m3fnuz ? 128.f : 1.f);
-    if constexpr (F == Fp8::e4m3fn) return (b & 0x7fu) == 0x7fu ? NAN : x;
-    if constexpr (F == Fp8::e4m3fnuz) return (b & 0xffu) == 0x80u ? NAN : x;
-    return x;  // e5m2: inf and NaN are half's own
+// Decodes an fp8 KV cache's codes into halves, exactly: every value of the four formats is a half.
+// sm_89+ converts two OCP codes an instruction (cvt.rn.f16x2.e4m3x2 / e5m2x2). Elsewhere an e5m2 code
+// is a half's top byte, an e4m3 code's bits go into a half that is then scaled by 2^(15 - bias) (NaN
+// fixed up), and e5m2fnuz, whose top exponent is past half's, takes numeric's generic decode. The
+// format (numeric::Fp8) is a run-time value, uniform over the grid: one kernel serves them all.
+struct Fp8Decoder {
+  int format;
+  // Two codes, bits 0-7 and 8-15 of `two`, as a half2's bits: the first code in the low half.
+  FK_DEVICE uint32_t pair(uint32_t two) const {
+#if defined(FK_CUDA) && defined(FK_DEVICE_PASS) && __CUDA_ARCH__ >= 890
+    uint32_t h;
+    if (format == int(numeric::Fp8::e5m2)) {
+      asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(uint16_t(two)));
+    } else {
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(two)));
+    }
+    return h;
+#else
+    return uint32_t(one(two & 0xffu)) | uint32_t(one((two >> 8) & 0xffu)) << 16;
+#endif
   }
-}
+  FK_HOST_DEVICE uint16_t one(uint32_t b) const {
+    using numeric::Fp8;
+    if (format == int(Fp8::e5m2)) return uint16_t(b << 8);  // inf and NaN included
+    if (format == int(Fp8::e5m2fnuz)) return from_float<half_t>(numeric::fp8_bits_to_float(uint8_t(b), Fp8::e5m2fnuz)).bits;
+    const bool fn = format == int(Fp8::e4m3fn);  // else e4m3fnuz: bias 8, NaN is 0x80 (no -0)
+    if (fn ? (b & 0x7fu) == 0x7fu : b == 0x80u) return 0x7e00;
+    const float x = to_float(half_t{uint16_t(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))}) * (fn ? 256.f : 128.f);
+    return from_float<half_t>(x).bits;  // exact
+  }
+  // Eight codes (the bytes of lo, then hi) as halves.
+  FK_DEVICE Vec<half_t, kVec16Bit> eight(uint32_t lo, uint32_t hi) const {
+    Vec<half_t, kVec16Bit> x;
+    x.w[0] = pair(lo), x.w[1] = pair(lo >> 16), x.w[2] = pair(hi), x.w[3] = pair(hi >> 16);
+    return x;
+  }
+};
 
 // Streams one work item's KV chunk of one KV head through kStages shared-memory stages of
 // [kRows, kHeadDim] K and V tiles of T, 16 bytes per copy: thread i copies column chunk i % kChunks of
@@ -97,20 +117,26 @@ FK_HOST_DEVICE float fp8_to_float(uint32_t b) {
 // page table and one check covers them all: a page index outside the cache (any int32, -1 included)
 // zero-fills and sets `poisoned`, and the kernel then writes NaN for the query instead of reading
 // out of bounds. The caller commits and waits (cp.async groups).
-// An fp8 cache (fp8 = p.kv_format >= 0) is copied 8 bytes (a chunk) at a time into the staging area
-// right after the stages (kStagingBytes, laid out as the tiles), and dequantize(tile) turns the
-// thread's own chunks into T in the tile once they have landed: exact (every fp8 value is a 16-bit
-// float of either kind), no barrier (the copier converts), the scales left to the kernels (LogitMap,
-// StateSink). kFp8 is a template parameter and each kernel has an fp8 instantiation of its own: the
-// 16-bit kernels stay as lean as they were (the 64-row tile of head_dim 256 and the decode kernel are
-// at their register limits); the format (e4m3 / e5m2) is a run-time switch in dequantize.
-template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle, bool kFp8>
+// An fp8 cache (kFp8) is copied kCopyElems bytes at a time into `codes` ([row][kHeadDim] bytes,
+// unswizzled, kStagingBytes). Two ways to use them, both exact and free of barriers of their own:
+// - kCopyElems = 8, the 16-bit mapping (the decode kernel): a lane reads only the chunks it copied,
+//   and chunk() decodes them in registers; the codes are the kernel's only tiles.
+// - kCopyElems = 16, half the copies and passes (the multi-query kernel): dequantize(tile) turns the
+//   thread's own copies into T in the 16-bit tile before the barrier that orders it for its readers;
+//   the codes are a staging area after the stages.
+// The scales are the kernels' (LogitMap, StateSink). kFp8 is a template parameter and each kernel has
+// an fp8 instantiation of its own: the 16-bit kernels stay as lean as they were (the 64-row tile of
+// head_dim 256 and the decode kernel are at their register limits); the format is a run-time value.
+template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle, bool kFp8 = false,
+          int kCopyElems = kVec16Bit>
 struct KVPipeline {
-  static constexpr int kChunks = kHeadDim / kVec16Bit;
+  static_assert(kCopyElems == kVec16Bit || (kFp8 && kCopyElems == 2 * kVec16Bit), "16-byte copies, or 8 / 16 of fp8");
+  static constexpr int kChunks = kHeadDim / kCopyElems;  // copies a row
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPasses = kRows / kRowsPerPass;
   static constexpr int kStageElems = 2 * kRows * kHeadDim;  // K, then V
   static constexpr int kStagingBytes = kStages * kStageElems;  // an fp8 cache's landing area
+  static constexpr int kCopyBytes = kFp8 ? kCopyElems : 16;
   static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass, whole passes per tile");
 
   using C = std::conditional_t<kFp8, uint8_t, T>;  // the cache's elements
@@ -126,15 +152,17 @@ struct KVPipeline {
   int chunk, row0;
   int next;                 // the first token of the tile that the next copy() copies
   int32_t page[kPasses];    // its pages, row by row
-  T* stages;                // kStages x kStageElems in shared memory, then an fp8 cache's staging
+  T* stages;                // kStages x kStageElems in shared memory
+  C* codes;                 // where the copies land: the stages, or an fp8 cache's codes
   bool poisoned = false;    // a page outside the cache was named
 
-  FK_DEVICE KVPipeline(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid, T* stages_)
-      : page_size(p.page_div), stages(stages_) {
+  FK_DEVICE KVPipeline(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid, T* stages_,
+                       void* codes_ = nullptr)
+      : page_size(p.page_div), stages(stages_), codes(kFp8 ? static_cast<C*>(codes_) : reinterpret_cast<C*>(stages_)) {
     chunk = tid % kChunks;
     row0 = tid / kChunks;
-    k = static_cast<const C*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kVec16Bit;
-    v = static_cast<const C*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kVec16Bit;
+    k = static_cast<const C*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kCopyElems;
+    v = static_cast<const C*>(p.v_cache) + kv_head * p.v_strides[2] + chunk * kCopyElems;
     k_page = p.k_strides[0], k_slot = p.k_strides[1], v_page = p.v_strides[0], v_slot = p.v_strides[1];
     pages = level_indices(p, item.level) + item.page_begin;
     const int32_t left = level_entries(p, item.level) - item.page_begin;
@@ -147,14 +175,8 @@ struct KVPipeline {
   FK_DEVICE int tiles() const { return int(ceil_div(kv_end - kv_begin, kRows)); }
   FK_DEVICE const T* k_tile(int tile) const { return stages + (tile % kStages) * kStageElems; }
   FK_DEVICE const T* v_tile(int tile) const { return k_tile(tile) + kRows * kHeadDim; }
-  // Where the copies land: the stages, or an fp8 cache's staging right after them.
-  FK_DEVICE C* landing() const {
-    if constexpr (kFp8) {
-      return reinterpret_cast<uint8_t*>(stages + kStages * kStageElems);
-    } else {
-      return stages;
-    }
-  }
+  FK_DEVICE const C* k_codes(int tile) const { return codes + (tile % kStages) * kStageElems; }
+  FK_DEVICE const C* v_codes(int tile) const { return k_codes(tile) + kRows * kHeadDim; }
 
   // Looks up tile 0 and copies the first kStages - 1 tiles, a commit group each.
   FK_DEVICE void start() {
@@ -168,7 +190,7 @@ struct KVPipeline {
 
   // Copies `tile` (the next one in order) into its stage and looks up the pages of the one after.
   FK_DEVICE void copy(int tile) {
-    C* k = landing() + (tile % kStages) * kStageElems;
+    C* k = codes + (tile % kStages) * kStageElems;
     issue(k, k + kRows * kHeadDim);
     lookup(kv_begin + (tile + 1) * kRows);
   }
@@ -201,8 +223,8 @@ struct KVPipeline {
       uint32_t q, slot;  // the slot is recomputed rather than kept: fewer registers per row
       page_size.divmod(uint32_t(last_token(next + row)), q, slot);
       const int64_t pg = in_cache ? page[i] : 0;
-      const int off = tile_offset<kHeadDim, kSwizzle>(row, chunk * kVec16Bit);
-      if constexpr (kFp8) {  // a chunk of 8 elements is 8 bytes
+      const int off = kFp8 ? row * kHeadDim + chunk * kCopyElems : tile_offset<kHeadDim, kSwizzle>(row, chunk * kCopyElems);
+      if constexpr (kCopyBytes == 8) {
         cp_async8(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
         cp_async8(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
       } else {
@@ -212,33 +234,34 @@ struct KVPipeline {
     }
   }
 
-  // An fp8 cache (numeric::Fp8 fp8): this thread's chunks of `tile`, landed in staging (its
-  // cp_async_wait), as T in the tile. A 16-bit cache: nothing.
-  FK_DEVICE void dequantize(int tile, int fp8) {
-    using numeric::Fp8;
-    if constexpr (!kFp8) return;
-    switch (fp8) {  // uniform: one loop runs
-      case int(Fp8::e4m3fn): return dequantize_as<Fp8::e4m3fn>(tile);
-      case int(Fp8::e5m2): return dequantize_as<Fp8::e5m2>(tile);
-#if !defined(FK_CUDA)  // AMD's formats: HIP builds and the emulator
-      case int(Fp8::e4m3fnuz): return dequantize_as<Fp8::e4m3fnuz>(tile);
-      case int(Fp8::e5m2fnuz): return dequantize_as<Fp8::e5m2fnuz>(tile);
-#endif
-      default: return;
-    }
+  // Elements [chunk * 8, chunk * 8 + 8) of row `row` of K (at = k_codes(tile)) or V (v_codes): an fp8
+  // cache's codes decoded in registers. Only the thread that copied them reads them (kCopyElems = 8).
+  FK_DEVICE Vec<half_t, kVec16Bit> chunk_of(const C* at, int row, int chunk, Fp8Decoder fp8) const {
+    static_assert(kFp8 && kCopyElems == kVec16Bit && !kSwizzle, "an fp8 cache's own codes");
+    const uint2 b = *reinterpret_cast<const uint2*>(at + row * kHeadDim + chunk * kVec16Bit);
+    return fp8.eight(b.x, b.y);
   }
-  template <numeric::Fp8 F>
-  FK_DEVICE void dequantize_as(int tile) {
-#pragma unroll 2  // a few shared loads in flight, not all: the kernels have no registers to spare
+
+  // An fp8 cache: this thread's copies of `tile`, landed (its cp_async_wait), as T in the tile.
+  FK_DEVICE void dequantize(int tile, Fp8Decoder fp8) {
+    static_assert(kFp8 && kCopyElems == 2 * kVec16Bit, "16-byte copies of an fp8 cache");
+#pragma unroll 1  // one copy at a time: the kernels have no registers to spare
     for (int i = 0; i < 2 * kPasses; ++i) {  // K's rows, then V's
       const int row = row0 + (i % kPasses) * kRowsPerPass;
-      const int off = (tile % kStages) * kStageElems + (i / kPasses) * kRows * kHeadDim +
-                      tile_offset<kHeadDim, kSwizzle>(row, chunk * kVec16Bit);
-      const uint2 b = *reinterpret_cast<const uint2*>(landing() + off);
-      Vec<T, kVec16Bit> x;
+      const int base = (tile % kStages) * kStageElems + (i / kPasses) * kRows * kHeadDim;
+      const uint4 b = *reinterpret_cast<const uint4*>(codes + base + row * kHeadDim + chunk * kCopyElems);
 #pragma unroll
-      for (int e = 0; e < kVec16Bit; ++e) x.set(e, fp8_to_float<F>((e < 4 ? b.x : b.y) >> (8 * (e % 4))));
-      *reinterpret_cast<uint4*>(stages + off) = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);  // st.shared.v4
+      for (int c = 0; c < 2; ++c) {  // 16 bytes of T each
+        Vec<half_t, kVec16Bit> h = fp8.eight(c ? b.z : b.x, c ? b.w : b.y);
+        uint4 out = make_uint4(h.w[0], h.w[1], h.w[2], h.w[3]);
+        if constexpr (!std::is_same_v<T, half_t>) {  // bf16: every fp8 value is one too
+          Vec<T, kVec16Bit> x;
+#pragma unroll
+          for (int e = 0; e < kVec16Bit; ++e) x.set(e, h.f(e));
+          out = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);
+        }
+        *reinterpret_cast<uint4*>(stages + base + tile_offset<kHeadDim, kSwizzle>(row, (2 * chunk + c) * kVec16Bit)) = out;
+      }
     }
   }
 };

@@ -25,7 +25,7 @@ struct DecodeShape {
   static constexpr int kStages = kAsyncCopy ? 3 : 1;
   static constexpr int kTileBytes = kStages * 2 * kTile * kHeadDim * 2;  // K and V, 16-bit
   static FK_HOST_DEVICE constexpr int shared_bytes(int group, bool fp8) {
-    const int tiles = kTileBytes + (fp8 ? kTileBytes / 2 : 0);  // an fp8 cache lands in staging after them
+    const int tiles = fp8 ? kTileBytes / 2 : kTileBytes;  // an fp8 cache's tiles are its codes
     const int merge = kSubwarps * group * (kHeadDim + 2) * 4;  // o, m, l of every sub-warp
     return tiles > merge ? tiles : merge;
   }
@@ -38,6 +38,7 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
   FK_DYNAMIC_SHARED(smem);
   const int lane = threadIdx.x % S::kLanes, sub = threadIdx.x / S::kLanes, kv_head = blockIdx.y;
   const LogitMap logit(p, kv_head);
+  const Fp8Decoder fp8{p.kv_format};
   const int count = plan_header(p).count[int(AttentionKind::decode)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
@@ -57,26 +58,41 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
       m[h] = -INFINITY, l[h] = 0.f;
     }
 
-    Pipeline kv(p, item, kv_head, threadIdx.x, reinterpret_cast<T*>(smem));  // fp8 staging at kTileBytes
+    Pipeline kv(p, item, kv_head, threadIdx.x, reinterpret_cast<T*>(smem), smem);  // an fp8 cache's codes: the tiles
     kv.start();
     const int tiles_n = kv.tiles();
     for (int it = 0; it < tiles_n; ++it) {
       if (it + S::kStages - 1 < tiles_n) kv.copy(it + S::kStages - 1);
       cp_async_commit();
       cp_async_wait<S::kStages - 1>();  // this thread's copies of tile `it` have landed
-      kv.dequantize(it, p.kv_format);  // an fp8 cache: its own chunks, the ones it reads below
-      const T* k_tile = kv.k_tile(it);
-      const T* v_tile = kv.v_tile(it);
+      // a lane's chunk of row r of K or V: this thread copied it (an fp8 cache's codes decode in registers)
+      auto k_chunk = [&](int r) {
+        if constexpr (kFp8) {
+          return kv.chunk_of(kv.k_codes(it), r, lane, fp8);
+        } else {
+          Vec<T, kVec16Bit> x;
+          x.load(kv.k_tile(it) + r * kHeadDim + lane * kVec16Bit);
+          return x;
+        }
+      };
+      auto v_chunk = [&](int r) {
+        if constexpr (kFp8) {
+          return kv.chunk_of(kv.v_codes(it), r, lane, fp8);
+        } else {
+          Vec<T, kVec16Bit> x;
+          x.load(kv.v_tile(it) + r * kHeadDim + lane * kVec16Bit);
+          return x;
+        }
+      };
       float x[S::kTokensPerSubwarp][kGroup];
 #pragma unroll
       for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
-        Vec<T, kVec16Bit> kv;
-        kv.load(k_tile + (sub + j * S::kSubwarps) * kHeadDim + lane * kVec16Bit);
+        const auto k = k_chunk(sub + j * S::kSubwarps);
 #pragma unroll
         for (int h = 0; h < kGroup; ++h) {
           float dot = 0.f;
 #pragma unroll
-          for (int e = 0; e < kVec16Bit; ++e) dot += q[h][e] * kv.f(e);
+          for (int e = 0; e < kVec16Bit; ++e) dot += q[h][e] * k.f(e);
           x[j][h] = dot;
         }
       }
@@ -122,8 +138,7 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
       }
 #pragma unroll
       for (int j = 0; j < S::kTokensPerSubwarp; ++j) {
-        Vec<T, kVec16Bit> vv;
-        vv.load(v_tile + (sub + j * S::kSubwarps) * kHeadDim + lane * kVec16Bit);
+        const auto vv = v_chunk(sub + j * S::kSubwarps);
 #pragma unroll
         for (int h = 0; h < kGroup; ++h)
 #pragma unroll
@@ -153,7 +168,8 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
 
 // kFp8: an fp8 cache (its own instantiation: the 16-bit kernel keeps its registers)
 template <typename T, int kHeadDim, int kGroup, bool kFp8>
-__global__ void FK_LAUNCH_BOUNDS(128, 4) decode_attention_kernel(BatchAttentionParams p) {  // 4 blocks/SM
+__global__ void FK_LAUNCH_BOUNDS(128, kFp8 && kGroup == 4 ? 3 : 4) decode_attention_kernel(BatchAttentionParams p) {
+  // 4 blocks/SM; 3 for an fp8 cache's group of 4, which spills at 128 registers (its codes' decode)
   pdl_wait();  // before any global memory access (platform.h: PDL)
   decode_items<T, kHeadDim, kGroup, kFp8>(p);
   pdl_launch_dependents();  // this block has read and written what it will

@@ -40,7 +40,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   using S = TileShape<kHeadDim, kItemRows, kWarp>;
   using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>()>;
   static_assert(Warp::kRows == S::kWarpRows, "the warp tile has the rows the shape planned for");
-  using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true, kFp8>;
+  using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true, kFp8, kFp8 ? 16 : kVec16Bit>;  // fp8: 16-byte copies
   constexpr AttentionKind kKind = S::kWide ? AttentionKind::tile64 : AttentionKind::tile16;
   constexpr int kChunks = kHeadDim / kVec16Bit, kSlots = Warp::kRowSlots;
   FK_DYNAMIC_SHARED(smem);
@@ -50,6 +50,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM, kv_head = blockIdx.y;
   const int group = p.qo_heads / p.kv_heads;
   const LogitMap logit(p, kv_head);
+  const Fp8Decoder fp8{p.kv_format};
   const int count = plan_header(p).count[int(kKind)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, kKind, w);
@@ -70,7 +71,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
       cp_async16(q_tile + swizzled<kHeadDim>(r, d), src, r < rows);
     }
 
-    Pipeline pipe(p, item, kv_head, threadIdx.x, kv);  // fp8 staging at kSharedBytes
+    Pipeline pipe(p, item, kv_head, threadIdx.x, kv, smem + S::kSharedBytes);  // an fp8 cache's codes after the rest
     pipe.start();  // the first commit group carries q too
     const int tiles_n = pipe.tiles();
 
@@ -85,7 +86,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     for (int it = 0; it < tiles_n; ++it) {
       if constexpr (S::kStages > 1) {
         cp_async_wait<S::kStages - 2>();
-        pipe.dequantize(it, p.kv_format);  // an fp8 cache: its stage was last read by tile it - kStages, before the last barrier
+        if constexpr (kFp8) pipe.dequantize(it, fp8);  // the stage was last read by tile it - kStages, before the last barrier
         __syncthreads();  // tile `it` has landed for every thread, and every warp is done with tile it - 1
         if (it + S::kStages - 1 < tiles_n) pipe.copy(it + S::kStages - 1);
         cp_async_commit();
@@ -93,7 +94,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
         __syncthreads();  // every warp is done with the previous tile
         pipe.copy(it);
         cp_async_wait<0>();
-        pipe.dequantize(it, p.kv_format);
+        if constexpr (kFp8) pipe.dequantize(it, fp8);
         __syncthreads();
       }
       const T* k_tile = pipe.k_tile(it) + wn * S::kWarpTokens * kHeadDim;  // this warp's tokens
