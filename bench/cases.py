@@ -602,6 +602,52 @@ DECODE = [
     Provider("flashinfer", _flashinfer_decode, "flashinfer", True),
 ]
 
+# An fp8 (e4m3) KV cache beside the same batch over the 16-bit cache: the same shapes and q dtype; per-head
+# k_scale / v_scale tensors (what the kernels read on the device) for flashkern, FlashInfer's float scales.
+FP8_BASELINE = "flashkern (16-bit cache)"
+
+
+def decode_fp8_bytes(batch, shape, dtype, provider):
+    """decode_bytes with the KV at one byte an element (the 16-bit baseline at its own two)."""
+    length, group = shape
+    s = torch.finfo(dtype).bits // 8
+    kv_bytes = s if provider.name == FP8_BASELINE else 1
+    qo_heads, kv_heads = _heads(group)
+    return 2 * batch * qo_heads * HEAD_DIM * s + 2 * batch * length * kv_heads * HEAD_DIM * kv_bytes + 4 * batch * qo_heads
+
+
+class Fp8DecodeCase(PagedCase):
+    def __init__(self, seed, batch, tables, qo_heads, kv_heads, dtype):
+        super().__init__(seed, batch, tables, qo_heads, kv_heads, dtype)
+        self.cache_fp8 = self.cache.to(torch.float8_e4m3fn)  # rand's values are well inside e4m3's range
+        self.scale = torch.ones(kv_heads, device=self.cache.device)
+        self.fp8 = _flashkern().BatchDecodeWithPagedKVCacheWrapper(_workspace())
+        self.fp8.plan(*(t.cpu() for t in self.tables), qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE, q_data_type=dtype,
+                      kv_data_type=torch.float8_e4m3fn)
+
+
+def decode_fp8_inputs(batch, shape, dtype):
+    length, group = shape
+    tables = _page_table([length] * batch)
+    return lambda seed: (Fp8DecodeCase(seed, batch, tables, *_heads(group), dtype),)
+
+
+def _flashinfer_decode_fp8(case):
+    import flashinfer
+
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(), "NHD")
+    wrapper.plan(*case.tables, *case.heads, HEAD_DIM, PAGE_SIZE, q_data_type=case.dtype,
+                 kv_data_type=torch.float8_e4m3fn)
+    return lambda: wrapper.run(case.q, case.cache_fp8, k_scale=1.0, v_scale=1.0)
+
+
+DECODE_FP8 = [
+    Provider("flashkern", lambda case: (lambda: case.fp8.run(case.q, case.cache_fp8, k_scale=case.scale,
+                                                            v_scale=case.scale)), requires="flashkern"),
+    Provider(FP8_BASELINE, lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+    Provider("flashinfer", _flashinfer_decode_fp8, "flashinfer", True),
+]
+
 NO_CASCADE = "flashkern (no cascade)"  # the baseline cascade rows are compared with
 CASCADE = [
     Provider("flashkern", lambda case: (lambda: case.cascade.run(case.q, case.cache)), requires="flashkern"),

@@ -27,7 +27,7 @@ def load(paths):
 
 
 # The provider each op's rows are compared with ("speedup" column); torch unless named here.
-BASELINE = {"cascade": "flashkern (no cascade)", "decode_kv_scores": "flashkern (decode only)",
+BASELINE = {"cascade": "flashkern (no cascade)", "batch_decode_fp8": "flashkern (16-bit cache)", "decode_kv_scores": "flashkern (decode only)",
             "decode_compressed": "flashkern (uncompressed)", "prefix_cache_decode": "flashkern (plan_decode)",
             "prefix_cache_plan": "plan_decode"}
 # Dense fp16/bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), for

@@ -1,5 +1,6 @@
 """Attention: merge_states (the split-KV / cascade merge) beside torch, torch.compile and FlashInfer;
-paged-KV batch decode beside torch's SDPA (on the same KV, contiguous) and FlashInfer; cascade
+paged-KV batch decode beside torch's SDPA (on the same KV, contiguous) and FlashInfer, and over an fp8
+cache beside the 16-bit one; cascade
 decode beside the same batch without the cascade (every request reads the shared prefix)."""
 
 import pytest
@@ -22,6 +23,16 @@ def test_batch_decode(benchmark, provider, label, batch, shape, dtype):
     length, group = shape
     bench_op(benchmark, op="batch_decode", provider=provider, shape=(batch, length, group), dtype=dtype,
              bytes_moved=cases.decode_bytes(batch, shape, dtype), make_inputs=cases.decode_inputs(batch, shape, dtype))
+
+
+@pytest.mark.benchmark(group="batch_decode_fp8")
+@pytest.mark.parametrize("provider,label,batch,shape,dtype", params(cases.DECODE_FP8, cases.decode_shapes()))
+def test_batch_decode_fp8(benchmark, provider, label, batch, shape, dtype):
+    """An fp8 e4m3 cache beside the 16-bit one (goal on an H200: <= 0.6x its time at batch >= 16, >= 4K tokens)."""
+    length, group = shape
+    bench_op(benchmark, op="batch_decode_fp8", provider=provider, shape=(batch, length, group), dtype=dtype,
+             bytes_moved=cases.decode_fp8_bytes(batch, shape, dtype, provider),
+             make_inputs=cases.decode_fp8_inputs(batch, shape, dtype))
 
 
 @pytest.mark.benchmark(group="cascade")

@@ -459,6 +459,7 @@ FP8_CASES = [
     (1, 128, 16, torch.float16, torch.float8_e4m3fn), (4, 64, 1, torch.bfloat16, torch.float8_e5m2),
     (8, 256, 16, torch.bfloat16, torch.float8_e4m3fn), (32, 128, 3, torch.float16, torch.float8_e5m2),
     (2, 128, 16, torch.bfloat16, torch.float8_e4m3fnuz), (24, 64, 16, torch.float16, torch.float8_e5m2fnuz),
+    (24, 256, 5, torch.float16, torch.float8_e4m3fn),
 ]
 
 

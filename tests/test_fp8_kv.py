@@ -79,14 +79,14 @@ def test_batch_decode(device, fp8, group, head_dim, page_size, kv_layout, per_he
     check(out, lse, expected_batch(q, exact, [1] * 4), dtype)
 
 
-# (causal, window_left, logits_soft_cap, sinks): prefill's options over the 16- and 64-row tiles
-PREFILL_CASES = [(True, 17, None, True), (False, -1, 30.0, False)]
+# (causal, window_left, logits_soft_cap, sinks, head_dim): prefill's options over the 16- and 64-row tiles
+PREFILL_CASES = [(True, 17, None, True, 256), (False, -1, 30.0, False, 128)]
 
 
 @pytest.mark.parametrize("fp8", OCP)
-@pytest.mark.parametrize("causal,window_left,cap,sinks", PREFILL_CASES)
-def test_paged_prefill(device, fp8, causal, window_left, cap, sinks):
-    qo_lens, kv_lens, kv_heads, group, head_dim = [17, 1, 40, 0], [40, 1, 200, 9], 2, 4, 128
+@pytest.mark.parametrize("causal,window_left,cap,sinks,head_dim", PREFILL_CASES)
+def test_paged_prefill(device, fp8, causal, window_left, cap, sinks, head_dim):
+    qo_lens, kv_lens, kv_heads, group = [17, 1, 40, 0], [40, 1, 200, 9], 2, 4
     (k_s, v_s), run_scales = scales(kv_heads, True, seed=3)
     stored, exact = quantized(random_kv(kv_lens, kv_heads, head_dim, seed=3), fp8, k_s, v_s)
     cache, kv_indptr, kv_indices, last = paged(stored, 16, "NHD", fp8, device, seed=3)
@@ -179,6 +179,20 @@ def test_run_checks(device, change, error, match):
         cache = cache.to(change["cache"])
     with pytest.raises(error, match=match):
         wrapper.run(q, cache, **kwargs)
+
+
+def test_misaligned_cache(device):
+    """An fp8 cache 8 bytes past a 16-byte boundary: the kernels (16-byte copies) refuse it; the CPU
+    implementation takes it and gives the aligned cache's result."""
+    wrapper, q, cache = planned_decode(device)
+    buffer = torch.empty(cache.numel() + 8, dtype=torch.uint8, device=cache.device)
+    shifted = buffer[8:].view(cache.dtype).view(cache.shape)
+    shifted.copy_(cache)
+    if device == "cpu" and not hasattr(device, "backend"):  # the CPU implementation, not an emulated kernel
+        assert torch.equal(wrapper.run(q, shifted), wrapper.run(q, cache))
+    else:
+        with pytest.raises(ValueError, match="paged_kv_cache must start on a 16-byte boundary"):
+            wrapper.run(q, shifted)
 
 
 def test_plan_checks(device):

@@ -120,6 +120,14 @@ def _decode(device, dtype, gen):
         out, lse = wrapper.run(q, cache, return_lse=True)
         e_out, e_lse = ref.batch_decode(q.double().cpu(), cache.double().cpu(), indptr, indices, last)
         yield f"batch_decode (group {group})", tuple(q.shape), _flat(out, lse), _flat(e_out, e_lse)
+        # an fp8 cache with per-head scales: attention over its exactly dequantized values
+        fp8, scale = cache.to(torch.float8_e4m3fn), torch.tensor([0.5, 2.0], device=device)
+        wrapper.plan(indptr, indices, last, kv_heads * group, kv_heads, head_dim, 16, q_data_type=dtype,
+                     kv_data_type=torch.float8_e4m3fn)
+        out, lse = wrapper.run(q, fp8, k_scale=scale, v_scale=scale, return_lse=True)
+        exact = fp8.double().cpu() * scale.double().cpu()[:, None]  # [pages, K/V, slot, kv_heads, D] x [kv_heads, 1]
+        e_out, e_lse = ref.batch_decode(q.double().cpu(), exact, indptr, indices, last)
+        yield f"batch_decode (group {group}, fp8 e4m3 cache)", tuple(q.shape), _flat(out, lse), _flat(e_out, e_lse)
     k, v = cache[indices[indptr[3]:].long()].transpose(0, 1).flatten(1, 2)[:, :600]
     q1 = _rand((8, head_dim), dtype, device, gen)
     out = decode.single_decode_with_kv_cache(q1, k, v)

@@ -155,7 +155,7 @@ struct BatchAttentionParams {
   float out_scale;               // FlashInfer's v_scale: 1 for plain attention
   DType dtype;                   // q, and the cache unless it is fp8: f16 or bf16
   int kv_format;                 // -1: the cache holds dtype; else an fp8 cache's numeric::Fp8 (strides in its
-                                 // 1-byte elements, rows 8-byte aligned)
+                                 // 1-byte elements, rows 16-byte aligned)
   const float* k_scale;          // [kv_heads] an fp8 cache's dequantization scales (read on the device), or nullptr
   const float* v_scale;          //   (a scalar scale is folded into sm_scale / out_scale by the caller)
   DType out_dtype;               // f16 or bf16 (o_data_type)

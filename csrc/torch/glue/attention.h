@@ -98,11 +98,11 @@ std::tuple<Tensor, Tensor> merge_states(const Tensor& v, const Tensor& s) {
 
 // ---- batch attention over a paged KV cache ----
 
-// 16-byte aligned start and rows (every stride but the last a multiple of 8 elements); 8-byte for
-// fp8 (the kernels copy 8 of its elements at a time).
+// 16-byte aligned start and rows (every stride but the last a multiple of 16 bytes: 8 16-bit
+// elements, 16 fp8 ones): the kernels copy 16 bytes at a time.
 bool rows_aligned16(const Tensor& t) {
-  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (8 * t.element_size()) == 0;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) * t.element_size() % 16 == 0);
   return ok;
 }
 
@@ -171,8 +171,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   FK_CHECK_VALUE(page_size > 0 && page_size < (int64_t(1) << 31), op, ": page_size must be in [1, 2^31), got ",
                     page_size);
   FK_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache), op,
-                    ": paged_kv_cache must start on a ", 8 * k_cache.element_size(), "-byte boundary and have strides "
-                    "that are multiples of 8 elements (the kernels read 8 elements at a time), got strides ",
+                    ": paged_kv_cache must start on a 16-byte boundary and have strides that are multiples of 16 "
+                    "bytes (", 16 / k_cache.element_size(), " elements; the kernels read 16 bytes at a time), got strides ",
                     as_tuple(k_cache.strides()));
   FK_CHECK_VALUE(kv_indices.size() >= 1 && kv_indices.size() <= size_t(fk::kMaxLevels), op,
                     ": kv_indices must be a list of 1 to ", fk::kMaxLevels, " tensors (one per level)");

@@ -117,16 +117,21 @@ struct Fp8Decoder {
 // page table and one check covers them all: a page index outside the cache (any int32, -1 included)
 // zero-fills and sets `poisoned`, and the kernel then writes NaN for the query instead of reading
 // out of bounds. The caller commits and waits (cp.async groups).
-// An fp8 cache (kFp8) is copied kCopyElems bytes at a time into `codes` ([row][kHeadDim] bytes,
-// unswizzled, kStagingBytes). Two ways to use them, both exact and free of barriers of their own:
-// - kCopyElems = 8, the 16-bit mapping (the decode kernel): a lane reads only the chunks it copied,
-//   and chunk() decodes them in registers; the codes are the kernel's only tiles.
-// - kCopyElems = 16, half the copies and passes (the multi-query kernel): dequantize(tile) turns the
-//   thread's own copies into T in the 16-bit tile before the barrier that orders it for its readers;
-//   the codes are a staging area after the stages.
-// The scales are the kernels' (LogitMap, StateSink). kFp8 is a template parameter and each kernel has
-// an fp8 instantiation of its own: the 16-bit kernels stay as lean as they were (the 64-row tile of
-// head_dim 256 and the decode kernel are at their register limits); the format is a run-time value.
+// An fp8 cache (kFp8) is read kCopyElems codes (bytes) at a time; the format is a run-time value
+// (Fp8Decoder), the scales are the kernels' (LogitMap, StateSink). Three ways, all exact and none
+// with a barrier of its own:
+// - kCopyElems = 8, the 16-bit mapping (the decode kernel): cp.async lands the codes in `codes`
+//   (kStages tiles of [row][kHeadDim] bytes, the kernel's only tiles) and a lane reads only the chunks
+//   it copied, decoding them in registers (chunk_of).
+// - kCopyElems = 16 with cp.async (the multi-query kernel on CUDA): half the copies and passes. The
+//   codes land in a staging area of kStages - 1 tiles (the copies in flight), and dequantize(tile)
+//   turns the thread's own codes into T in the 16-bit tile before the barrier that orders the tile for
+//   its readers and before the thread's next copy into the same staging.
+// - kCopyElems = 16 without cp.async (HIP): the codes are loaded into registers and stored as T, no
+//   staging at all.
+// kFp8 is a template parameter and each kernel has an fp8 instantiation of its own: the 16-bit kernels
+// stay as lean as they were (the 64-row tile of head_dim 256 and the decode kernel are at their
+// register limits).
 template <typename T, int kHeadDim, int kRows, int kThreads, int kStages, bool kSwizzle, bool kFp8 = false,
           int kCopyElems = kVec16Bit>
 struct KVPipeline {
@@ -135,8 +140,10 @@ struct KVPipeline {
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPasses = kRows / kRowsPerPass;
   static constexpr int kStageElems = 2 * kRows * kHeadDim;  // K, then V
-  static constexpr int kStagingBytes = kStages * kStageElems;  // an fp8 cache's landing area
-  static constexpr int kCopyBytes = kFp8 ? kCopyElems : 16;
+  static constexpr bool kStaged = kFp8 && kCopyElems == 2 * kVec16Bit && kAsyncCopy;  // dequantize() from staging
+  static constexpr bool kInRegisters = kFp8 && kCopyElems == 2 * kVec16Bit && !kAsyncCopy;
+  static constexpr int kCodeTiles = !kFp8 || kInRegisters ? 0 : kStaged ? (kStages > 1 ? kStages - 1 : 1) : kStages;
+  static constexpr int kCodeBytes = kCodeTiles * kStageElems;  // where an fp8 cache's copies land
   static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass, whole passes per tile");
 
   using C = std::conditional_t<kFp8, uint8_t, T>;  // the cache's elements
@@ -153,12 +160,13 @@ struct KVPipeline {
   int next;                 // the first token of the tile that the next copy() copies
   int32_t page[kPasses];    // its pages, row by row
   T* stages;                // kStages x kStageElems in shared memory
-  C* codes;                 // where the copies land: the stages, or an fp8 cache's codes
+  uint8_t* codes;           // an fp8 cache's kCodeBytes (see above)
+  Fp8Decoder fp8;
   bool poisoned = false;    // a page outside the cache was named
 
   FK_DEVICE KVPipeline(const BatchAttentionParams& p, const AttentionWorkItem& item, int kv_head, int tid, T* stages_,
-                       void* codes_ = nullptr)
-      : page_size(p.page_div), stages(stages_), codes(kFp8 ? static_cast<C*>(codes_) : reinterpret_cast<C*>(stages_)) {
+                       uint8_t* codes_ = nullptr)
+      : page_size(p.page_div), stages(stages_), codes(codes_), fp8{p.kv_format} {
     chunk = tid % kChunks;
     row0 = tid / kChunks;
     k = static_cast<const C*>(p.k_cache) + kv_head * p.k_strides[2] + chunk * kCopyElems;
@@ -175,8 +183,9 @@ struct KVPipeline {
   FK_DEVICE int tiles() const { return int(ceil_div(kv_end - kv_begin, kRows)); }
   FK_DEVICE const T* k_tile(int tile) const { return stages + (tile % kStages) * kStageElems; }
   FK_DEVICE const T* v_tile(int tile) const { return k_tile(tile) + kRows * kHeadDim; }
-  FK_DEVICE const C* k_codes(int tile) const { return codes + (tile % kStages) * kStageElems; }
-  FK_DEVICE const C* v_codes(int tile) const { return k_codes(tile) + kRows * kHeadDim; }
+  // An fp8 cache's codes of `tile`: K's, V's kRows * kHeadDim bytes further
+  FK_DEVICE const uint8_t* k_codes(int tile) const { return codes + (tile % kCodeTiles) * kStageElems; }
+  FK_DEVICE const uint8_t* v_codes(int tile) const { return k_codes(tile) + kRows * kHeadDim; }
 
   // Looks up tile 0 and copies the first kStages - 1 tiles, a commit group each.
   FK_DEVICE void start() {
@@ -190,8 +199,7 @@ struct KVPipeline {
 
   // Copies `tile` (the next one in order) into its stage and looks up the pages of the one after.
   FK_DEVICE void copy(int tile) {
-    C* k = codes + (tile % kStages) * kStageElems;
-    issue(k, k + kRows * kHeadDim);
+    issue(tile);
     lookup(kv_begin + (tile + 1) * kRows);
   }
 
@@ -213,8 +221,8 @@ struct KVPipeline {
   // The token a row at `pos` copies: itself, or the chunk's last one past the end.
   FK_DEVICE int last_token(int pos) const { return pos < kv_end ? pos : kv_end - 1; }
 
-  // Copies the looked-up tile into k_tile / v_tile ([kRows, kHeadDim] each, of C).
-  FK_DEVICE void issue(C* k_tile, C* v_tile) {
+  // Copies the looked-up tile into its stage (or an fp8 cache's codes into theirs).
+  FK_DEVICE void issue(int tile) {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
@@ -223,45 +231,65 @@ struct KVPipeline {
       uint32_t q, slot;  // the slot is recomputed rather than kept: fewer registers per row
       page_size.divmod(uint32_t(last_token(next + row)), q, slot);
       const int64_t pg = in_cache ? page[i] : 0;
-      const int off = kFp8 ? row * kHeadDim + chunk * kCopyElems : tile_offset<kHeadDim, kSwizzle>(row, chunk * kCopyElems);
-      if constexpr (kCopyBytes == 8) {
-        cp_async8(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
-        cp_async8(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
+      const C* k_at = k + pg * k_page + int64_t(slot) * k_slot;
+      const C* v_at = v + pg * v_page + int64_t(slot) * v_slot;
+      if constexpr (!kFp8) {
+        T* to = stages + (tile % kStages) * kStageElems + tile_offset<kHeadDim, kSwizzle>(row, chunk * kCopyElems);
+        cp_async16(to, k_at, in_cache);
+        cp_async16(to + kRows * kHeadDim, v_at, in_cache);
+      } else if constexpr (kInRegisters) {  // no cp.async: load, decode, store (zeros outside the cache)
+        uint4 kb = make_uint4(0, 0, 0, 0), vb = make_uint4(0, 0, 0, 0);  // values: a named zero went to scratch
+        if (in_cache) kb = *reinterpret_cast<const uint4*>(k_at), vb = *reinterpret_cast<const uint4*>(v_at);
+        store_decoded(tile, row, 0, kb);
+        store_decoded(tile, row, 1, vb);
       } else {
-        cp_async16(k_tile + off, k + pg * k_page + int64_t(slot) * k_slot, in_cache);
-        cp_async16(v_tile + off, v + pg * v_page + int64_t(slot) * v_slot, in_cache);
+        uint8_t* to = codes + (tile % kCodeTiles) * kStageElems + row * kHeadDim + chunk * kCopyElems;
+        if constexpr (kCopyElems == 2 * kVec16Bit) {
+          cp_async16(to, k_at, in_cache);
+          cp_async16(to + kRows * kHeadDim, v_at, in_cache);
+        } else {
+          cp_async8(to, k_at, in_cache);
+          cp_async8(to + kRows * kHeadDim, v_at, in_cache);
+        }
       }
     }
   }
 
-  // Elements [chunk * 8, chunk * 8 + 8) of row `row` of K (at = k_codes(tile)) or V (v_codes): an fp8
-  // cache's codes decoded in registers. Only the thread that copied them reads them (kCopyElems = 8).
-  FK_DEVICE Vec<half_t, kVec16Bit> chunk_of(const C* at, int row, int chunk, Fp8Decoder fp8) const {
+  // Elements [chunk * 8, chunk * 8 + 8) of row `row` of an fp8 cache's K (at = k_codes(tile)) or V
+  // (v_codes), decoded in registers. Only the thread that copied them reads them (kCopyElems = 8).
+  FK_DEVICE Vec<half_t, kVec16Bit> chunk_of(const uint8_t* at, int row, int chunk) const {
     static_assert(kFp8 && kCopyElems == kVec16Bit && !kSwizzle, "an fp8 cache's own codes");
     const uint2 b = *reinterpret_cast<const uint2*>(at + row * kHeadDim + chunk * kVec16Bit);
     return fp8.eight(b.x, b.y);
   }
 
-  // An fp8 cache: this thread's copies of `tile`, landed (its cp_async_wait), as T in the tile.
-  FK_DEVICE void dequantize(int tile, Fp8Decoder fp8) {
-    static_assert(kFp8 && kCopyElems == 2 * kVec16Bit, "16-byte copies of an fp8 cache");
+  // With staging: this thread's codes of `tile`, landed (its cp_async_wait), as T in the tile.
+  FK_DEVICE void dequantize(int tile) {
+    if constexpr (kStaged) {
 #pragma unroll 1  // one copy at a time: the kernels have no registers to spare
-    for (int i = 0; i < 2 * kPasses; ++i) {  // K's rows, then V's
-      const int row = row0 + (i % kPasses) * kRowsPerPass;
-      const int base = (tile % kStages) * kStageElems + (i / kPasses) * kRows * kHeadDim;
-      const uint4 b = *reinterpret_cast<const uint4*>(codes + base + row * kHeadDim + chunk * kCopyElems);
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {  // 16 bytes of T each
-        Vec<half_t, kVec16Bit> h = fp8.eight(c ? b.z : b.x, c ? b.w : b.y);
-        uint4 out = make_uint4(h.w[0], h.w[1], h.w[2], h.w[3]);
-        if constexpr (!std::is_same_v<T, half_t>) {  // bf16: every fp8 value is one too
-          Vec<T, kVec16Bit> x;
-#pragma unroll
-          for (int e = 0; e < kVec16Bit; ++e) x.set(e, h.f(e));
-          out = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);
-        }
-        *reinterpret_cast<uint4*>(stages + base + tile_offset<kHeadDim, kSwizzle>(row, (2 * chunk + c) * kVec16Bit)) = out;
+      for (int i = 0; i < 2 * kPasses; ++i) {  // K's rows, then V's
+        const int row = row0 + (i % kPasses) * kRowsPerPass;
+        const int kv = i / kPasses;
+        store_decoded(tile, row, kv,
+                      *reinterpret_cast<const uint4*>(k_codes(tile) + kv * kRows * kHeadDim + row * kHeadDim + chunk * kCopyElems));
       }
+    }
+  }
+
+  // 16 codes of row `row` of K (kv = 0) or V (1), this thread's chunk, as T in tile's stage (32 bytes).
+  FK_DEVICE void store_decoded(int tile, int row, int kv, uint4 b) {
+    T* at = stages + (tile % kStages) * kStageElems + kv * kRows * kHeadDim;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {  // 16 bytes of T each
+      const Vec<half_t, kVec16Bit> h = fp8.eight(c ? b.z : b.x, c ? b.w : b.y);
+      uint4 out = make_uint4(h.w[0], h.w[1], h.w[2], h.w[3]);
+      if constexpr (!std::is_same_v<T, half_t>) {  // bf16: every fp8 value is one too
+        Vec<T, kVec16Bit> x;
+#pragma unroll
+        for (int e = 0; e < kVec16Bit; ++e) x.set(e, h.f(e));
+        out = make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]);
+      }
+      *reinterpret_cast<uint4*>(at + tile_offset<kHeadDim, kSwizzle>(row, (2 * chunk + c) * kVec16Bit)) = out;
     }
   }
 };

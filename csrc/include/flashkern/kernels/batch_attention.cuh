@@ -111,15 +111,15 @@ const char* run_attention_kernels(const BatchAttentionParams& p, gpuStream_t str
     if (error) return error;
   }
   if (p.grid[1] > 0) {
-    using S = TileShape<D, 16, kWarp>;
+    using S = TileShape<D, 16, kWarp, kFp8>;
     error = launch_tiles<multi_query_attention_kernel<T, D, 16, kWarp, kFp8>>(p.grid[1], p.kv_heads, S::kThreads,
-                                                                             S::shared_bytes(kFp8), p, stream);
+                                                                             S::kBlockBytes, p, stream);
     if (error) return error;
   }
   if (p.grid[2] > 0) {
-    using S = TileShape<D, 64, kWarp>;
+    using S = TileShape<D, 64, kWarp, kFp8>;
     error = launch_tiles<multi_query_attention_kernel<T, D, 64, kWarp, kFp8>>(p.grid[2], p.kv_heads, S::kThreads,
-                                                                             S::shared_bytes(kFp8), p, stream);
+                                                                             S::kBlockBytes, p, stream);
   }
   return error;
 }

@@ -38,7 +38,6 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
   FK_DYNAMIC_SHARED(smem);
   const int lane = threadIdx.x % S::kLanes, sub = threadIdx.x / S::kLanes, kv_head = blockIdx.y;
   const LogitMap logit(p, kv_head);
-  const Fp8Decoder fp8{p.kv_format};
   const int count = plan_header(p).count[int(AttentionKind::decode)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, AttentionKind::decode, w);
@@ -68,7 +67,7 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
       // a lane's chunk of row r of K or V: this thread copied it (an fp8 cache's codes decode in registers)
       auto k_chunk = [&](int r) {
         if constexpr (kFp8) {
-          return kv.chunk_of(kv.k_codes(it), r, lane, fp8);
+          return kv.chunk_of(kv.k_codes(it), r, lane);
         } else {
           Vec<T, kVec16Bit> x;
           x.load(kv.k_tile(it) + r * kHeadDim + lane * kVec16Bit);
@@ -77,7 +76,7 @@ FK_DEVICE void decode_items(const BatchAttentionParams& p) {
       };
       auto v_chunk = [&](int r) {
         if constexpr (kFp8) {
-          return kv.chunk_of(kv.v_codes(it), r, lane, fp8);
+          return kv.chunk_of(kv.v_codes(it), r, lane);
         } else {
           Vec<T, kVec16Bit> x;
           x.load(kv.v_tile(it) + r * kHeadDim + lane * kVec16Bit);

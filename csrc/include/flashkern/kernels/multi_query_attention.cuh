@@ -14,22 +14,26 @@
 namespace fk {
 
 // Tile shapes depend on the head_dim, the warp width and the platform, never on the matrix unit,
-// which may differ between the host and device passes of a HIP build (platform.h).
-template <int kHeadDim, int kItemRows, int kWarp>
+// which may differ between the host and device passes of a HIP build (platform.h). An fp8 cache's
+// 64-row tile of head_dim 256 takes 16 tokens a tile, so that its staging fits 99 KB (sm_86/89/120).
+template <int kHeadDim, int kItemRows, int kWarp, bool kFp8 = false>
 struct TileShape {
   static constexpr bool kWide = kItemRows == 64;
   static constexpr int kWarpRows = fk::kWarpRows<kWarp>;
   static constexpr int kWarpsM = kItemRows / kWarpRows;                  // warps along the rows
   static constexpr int kWarpsN = kWide ? 1 : (kHeadDim == 256 ? 2 : 4);  // warps splitting a KV tile
-  static constexpr int kWarpTokens = kWide ? (kHeadDim < 256 ? 64 : kAsyncCopy ? 32 : 16) : 16;
+  static constexpr int kWarpTokens = kWide ? (kHeadDim < 256 ? 64 : kAsyncCopy && !kFp8 ? 32 : 16) : 16;
   static constexpr int kTileN = kWarpsN * kWarpTokens;  // KV tokens a tile
   static constexpr int kThreads = kWarp * kWarpsM * kWarpsN;
   static constexpr int kStages = kAsyncCopy ? 2 : 1;
   static constexpr int kQElems = kItemRows * kHeadDim;
   static constexpr int kStageElems = 2 * kTileN * kHeadDim;  // K and V
   static constexpr int kSharedBytes = 2 * (kQElems + kStages * kStageElems);
-  static constexpr int kStagingBytes = kStages * kStageElems;  // an fp8 cache's landing area, after the rest
-  static FK_HOST_DEVICE constexpr int shared_bytes(bool fp8) { return kSharedBytes + (fp8 ? kStagingBytes : 0); }
+  // an fp8 cache's codes in flight (KVPipeline), after the rest: none without cp.async
+  static constexpr int kStagingBytes = kFp8 && kAsyncCopy ? (kStages - 1) * kStageElems : 0;
+  static constexpr int kBlockBytes = kSharedBytes + kStagingBytes;  // what a block asks for
+  // the opt-in maximum of sm_86/89/120; HIP's 64 KB LDS, of which __syncthreads_or takes 256 bytes
+  static_assert(kBlockBytes <= (kAsyncCopy ? 99 * 1024 : 64 * 1024 - 256), "a block's shared memory fits");
   // tile16's epilogue: every warp's o in the K/V stages, its m and l where q was
   static_assert(kWide || kWarpsN * kItemRows * kHeadDim * 4 <= kStages * kStageElems * 2, "merge parts fit");
   static_assert(kWide || kWarpsN * kItemRows * 2 * 4 <= kQElems * 2, "m and l fit the q tile");
@@ -37,10 +41,11 @@ struct TileShape {
 
 template <typename T, int kHeadDim, int kItemRows, int kWarp, bool kFp8>
 FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
-  using S = TileShape<kHeadDim, kItemRows, kWarp>;
+  using S = TileShape<kHeadDim, kItemRows, kWarp, kFp8>;
   using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>()>;
   static_assert(Warp::kRows == S::kWarpRows, "the warp tile has the rows the shape planned for");
   using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true, kFp8, kFp8 ? 16 : kVec16Bit>;  // fp8: 16-byte copies
+  static_assert(Pipeline::kCodeBytes == S::kStagingBytes, "the staging the shape asks for");
   constexpr AttentionKind kKind = S::kWide ? AttentionKind::tile64 : AttentionKind::tile16;
   constexpr int kChunks = kHeadDim / kVec16Bit, kSlots = Warp::kRowSlots;
   FK_DYNAMIC_SHARED(smem);
@@ -50,7 +55,6 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM, kv_head = blockIdx.y;
   const int group = p.qo_heads / p.kv_heads;
   const LogitMap logit(p, kv_head);
-  const Fp8Decoder fp8{p.kv_format};
   const int count = plan_header(p).count[int(kKind)];
   for (int w = blockIdx.x; w < count; w += gridDim.x) {
     AttentionWorkItem item = load_item(p, kKind, w);
@@ -86,7 +90,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     for (int it = 0; it < tiles_n; ++it) {
       if constexpr (S::kStages > 1) {
         cp_async_wait<S::kStages - 2>();
-        if constexpr (kFp8) pipe.dequantize(it, fp8);  // the stage was last read by tile it - kStages, before the last barrier
+        pipe.dequantize(it);  // fp8 codes into the stage, last read by tile it - kStages, before the last barrier
         __syncthreads();  // tile `it` has landed for every thread, and every warp is done with tile it - 1
         if (it + S::kStages - 1 < tiles_n) pipe.copy(it + S::kStages - 1);
         cp_async_commit();
@@ -94,7 +98,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
         __syncthreads();  // every warp is done with the previous tile
         pipe.copy(it);
         cp_async_wait<0>();
-        if constexpr (kFp8) pipe.dequantize(it, fp8);
+        pipe.dequantize(it);
         __syncthreads();
       }
       const T* k_tile = pipe.k_tile(it) + wn * S::kWarpTokens * kHeadDim;  // this warp's tokens
