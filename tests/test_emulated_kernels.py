@@ -471,7 +471,8 @@ def test_batch_attention_kernels_fp8(request, attention_lib, group, head_dim, pa
     check_fp8_attention(attention_lib, nvidia, group, head_dim, page_size, dtype, fp8)
 
 
-def check_fp8_attention(lib, nvidia, group, head_dim, page_size, dtype, fp8):
+def check_fp8_attention(lib, nvidia, group, head_dim, page_size, dtype, fp8, one_block=False):
+    """one_block: a grid of one block per kernel, which loops over the items (the staging across items)."""
     wrapper, q, cache, _ = decode_plan([1, 37, 0, 300], page_size, 2, group, head_dim, dtype, kv_dtype=fp8)
     k_scale, v_scale = torch.tensor([0.75, 1.5]), torch.tensor([1.25, 0.5])
     if nvidia and "fnuz" in str(fp8):
@@ -481,7 +482,9 @@ def check_fp8_attention(lib, nvidia, group, head_dim, page_size, dtype, fp8):
     assert wrapper._core._plan_info["grid"][3] == 1  # something to merge
     scale = torch.stack([k_scale, v_scale]).double()[None, :, None, :, None]  # [pages, K/V, slot, head, D]
     eo, e_lse = ref.batch_decode(q.double(), cache.double() * scale, *wrapper._test_tables, "NHD")
-    check_attention(*run_attention(lib, wrapper, q, cache, k_scale=k_scale, v_scale=v_scale), eo, e_lse, dtype)
+    grid = [1 if c else 0 for c in wrapper._core._plan_info["counts"]] + [1] if one_block else None
+    check_attention(*run_attention(lib, wrapper, q, cache, k_scale=k_scale, v_scale=v_scale, grid=grid), eo, e_lse,
+                    dtype)
 
 
 @pytest.mark.parametrize("kv_layout,tuple_cache", [("HND", False), ("NHD", True)])
@@ -500,6 +503,8 @@ def test_batch_attention_kernels_loop_over_items(attention_lib):
         assert max(counts) > 2
         check_attention(*run_attention(attention_lib, wrapper, q, cache, grid=[2 if c else 0 for c in counts] + [1]),
                         eo, e_lse, torch.bfloat16)
+    for group, head_dim in ((4, 128), (8, 256), (32, 256)):  # an fp8 cache: the decode kernel, 16- and 64-row tiles
+        check_fp8_attention(attention_lib, False, group, head_dim, 16, torch.float16, torch.float8_e4m3fn, True)
 
 
 @pytest.mark.parametrize("bad_page", ["past_the_end", "minus_one", "past_the_page_table"])
@@ -1171,8 +1176,9 @@ def test_every_kernel_and_path(attention_lib):
     test_merge_states_kernel_in_place_with_mask(lib)
     for group, head_dim, page_size in ((2, 128, 1), (8, 64, 16), (24, 128, 16)):  # decode, 16-row, 64-row tiles
         test_batch_attention_kernels(lib, group, head_dim, page_size, torch.bfloat16)
-    for group, head_dim, fp8 in ((1, 64, torch.float8_e4m3fn), (8, 64, torch.float8_e5m2), (24, 64, torch.float8_e4m3fn)):
-        check_fp8_attention(lib, False, group, head_dim, 16, torch.float16, fp8)  # the fp8 staging, each kernel
+    for group, head_dim, fp8 in ((1, 64, torch.float8_e4m3fn), (8, 64, torch.float8_e5m2), (24, 64, torch.float8_e4m3fn),
+                                 (24, 256, torch.float8_e5m2)):  # an fp8 cache: each kernel, the 16-token 64-row tile
+        check_fp8_attention(lib, False, group, head_dim, 16, torch.float16, fp8)
     test_batch_attention_kernels_loop_over_items(lib)
     test_batch_attention_kernels_page_outside_the_cache(lib, "minus_one")
     test_batch_attention_kernels_causal_queries(lib, 5, 13)

@@ -230,6 +230,7 @@ ATTENTION_PTX = {  # what each attention kernel must contain: 16-byte copies and
                                      r"cp\.async\.wait_group"],
     "merge_partials_kernel": [r"ld\.global(\.nc)?\.v4\.f32", r"st\.global(\.wb)?\.v4"],
 }
+FP8_DECODE_COPY = r"cp\.async\.ca\.shared\.global \[%r\d+\], \[%rd\d+\], 8"
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])
@@ -242,8 +243,14 @@ def test_cuda_attention_ptx(cuda_build, arch):
         bodies = {names[m]: b for m, b in entries.items() if f"fk::{family}<" in names[m]}
         assert bodies, f"no {family} in the PTX"
         for name, body in bodies.items():
+            fp8 = name.endswith(", true>(fk::BatchAttentionParams)")  # an fp8 cache's instantiation
+            if fp8 and family == "decode_attention_kernel":  # the codes, 8 bytes (8 of them) a copy
+                patterns = [FP8_DECODE_COPY] + patterns[1:]
             for pattern in patterns:
                 assert re.search(pattern, body), f"{name}: no {pattern}"
+            if fp8:  # sm_89+ decodes two codes an instruction, in both OCP formats; sm_80 in software
+                for fmt in ("e4m3x2", "e5m2x2"):
+                    assert (f"cvt.rn.f16x2.{fmt}" in body) == (arch == "90"), (name, fmt)
             if "bf16_t" in name and family == "multi_query_attention_kernel":
                 assert ".bf16.bf16" in body, name
             if ", 16, 32>" in name:  # 16-row tiles store merged rows 16 bytes at a time (64-row ones in pairs)

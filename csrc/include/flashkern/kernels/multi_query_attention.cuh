@@ -205,7 +205,7 @@ inline constexpr int kTileBlocksPerSM = kItemRows == 64 ? 2 : 3;
 
 // kFp8: an fp8 cache (its own instantiation: the 16-bit kernel keeps its registers)
 template <typename T, int kHeadDim, int kItemRows, int kWarp, bool kFp8>
-__global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp>::kThreads), kTileBlocksPerSM<kItemRows>)
+__global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp, kFp8>::kThreads), kTileBlocksPerSM<kItemRows>)
     multi_query_attention_kernel(BatchAttentionParams p) {
   pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
