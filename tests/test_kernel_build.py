@@ -244,9 +244,10 @@ def test_cuda_attention_ptx(cuda_build, arch):
         assert bodies, f"no {family} in the PTX"
         for name, body in bodies.items():
             fp8 = name.endswith(", true>(fk::BatchAttentionParams)")  # an fp8 cache's instantiation
-            if fp8 and family == "decode_attention_kernel":  # the codes, 8 bytes (8 of them) a copy
-                patterns = [FP8_DECODE_COPY] + patterns[1:]
-            for pattern in patterns:
+            wanted = patterns  # the fp8 decode kernel copies its codes 8 bytes (8 of them) at a time
+            if fp8 and family == "decode_attention_kernel":
+                wanted = [FP8_DECODE_COPY] + patterns[1:]
+            for pattern in wanted:
                 assert re.search(pattern, body), f"{name}: no {pattern}"
             if fp8:  # sm_89+ decodes two codes an instruction, in both OCP formats; sm_80 in software
                 for fmt in ("e4m3x2", "e5m2x2"):
