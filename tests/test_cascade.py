@@ -72,6 +72,12 @@ def test_shared_prefix_and_suffixes(device, group, head_dim, dtype):
     cascade(device, [[6], [1] * 6], [[1000], [5, 0, 33, 16, 1, 300]], 2, group, head_dim, dtype, min_chunk=64)
 
 
+@pytest.mark.parametrize("group", [1, 8])
+def test_head_dim_512(device, group):
+    """head_dim 512 (16-row tiles only): a shared prefix and each request's suffix."""
+    cascade(device, [[6], [1] * 6], [[300], [5, 0, 33, 16, 1, 100]], 2, group, 512, torch.bfloat16, min_chunk=64)
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 128])
 def test_three_levels(device, page_size):
     """A system prompt for all, a document for each of two request groups, then each request's suffix."""

@@ -54,7 +54,7 @@ def test_batch_decode(device, page_size, group, dtype):
     assert wrapper._core._plan_info["chunk"] < 4097  # the long request was split and merged
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])  # 512: 16-row tiles only, for every group
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("group", [4, 8])  # the decode kernel, the 16-row multi-query kernel
 @pytest.mark.parametrize("tuple_cache", [False, True])
@@ -117,6 +117,17 @@ def test_single_decode(device, kv_layout, length, dtype):
                  eo, dtype)
 
 
+def test_single_decode_head_dim_512(device):
+    """Gemma-4's shape: head_dim 512, 16 q heads on one KV head (16-row tiles), split into chunks."""
+    (k, v), = rounded(random_kv([700], 1, 512, seed=30), torch.bfloat16)
+    q = rand((16, 512), torch.bfloat16, device, seed=31)
+    out, lse = single_decode_with_kv_cache(q, k.to(device, torch.bfloat16), v.to(device, torch.bfloat16),
+                                           return_lse=True)
+    eo, e_lse = attention(q, k, v)
+    assert_close(out, eo, torch.bfloat16)
+    torch.testing.assert_close(lse.double().cpu(), e_lse, **tolerance(torch.float32))
+
+
 def test_lse_is_natural_log(device):
     (k, v), = random_kv([50], 1, 64, seed=9)
     q = rand((1, 64), torch.float16, device, seed=9)
@@ -146,7 +157,7 @@ def planned(device, dtype=torch.float16):
     (lambda a: {**a, "last_page_len": i32([0, 5])}, ValueError, r"last_page_len\[0\] must be in \[1, page_size=16\]"),
     (lambda a: {**a, "last_page_len": i32([17, 5])}, ValueError, r"last_page_len\[0\] must be in \[1, page_size=16\]"),
     (lambda a: {**a, "indices": i32([0, -1, 2])}, ValueError, "negative page index"),
-    (lambda a: {**a, "head_dim": 96}, ValueError, "head_dim must be 64, 128 or 256"),
+    (lambda a: {**a, "head_dim": 96}, ValueError, "head_dim must be 64, 128, 256 or 512"),
     (lambda a: {**a, "num_qo_heads": 7}, ValueError, "must be a multiple of num_kv_heads"),
     (lambda a: {**a, "q_data_type": torch.float32}, TypeError, "q_data_type must be torch.float16 or torch.bfloat16"),
     (lambda a: {**a, "kv_data_type": torch.bfloat16}, TypeError, "kv_data_type must equal q_data_type"),
@@ -225,7 +236,7 @@ def test_single_decode_checks(device):
         single_decode_with_kv_cache(q, k.bfloat16(), k.bfloat16())
     with pytest.raises(ValueError, match="q must be 2-D"):
         single_decode_with_kv_cache(q[None], k, k)
-    with pytest.raises(ValueError, match="single_decode_with_kv_cache: head_dim must be 64, 128 or 256"):
+    with pytest.raises(ValueError, match="single_decode_with_kv_cache: head_dim must be 64, 128, 256 or 512"):
         single_decode_with_kv_cache(q[:, :48], k[..., :48], k[..., :48])
     with pytest.raises(ValueError, match="kv_layout must be 'NHD' or 'HND'"):
         single_decode_with_kv_cache(q, k, k, kv_layout="NDH")
@@ -300,6 +311,27 @@ def test_workspace_without_a_plan_is_refused(device):
     with pytest.raises(ValueError, match="the workspace holds no flashkern plan for 1 queries"):
         torch.ops.flashkern.batch_attention(q[:1], *args[1:], wrapper._core._workspace, out[:1], lse[:1], info["grid"],
                                             info["sm_scale"])
+
+
+def test_head_dim_512_plans_and_grids_have_16_row_tiles_only(device):
+    """head_dim 512's plans hold 16-row tiles only (a decode of 1 or 2 heads a group included), a CUDA-graph
+    wrapper's fixed grid launches only them, and the op refuses a grid that asks for the other kernels."""
+    kvs = random_kv([20, 5], 1, 512, seed=32)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.float16, device, seed=32)
+    for group, graph in ((1, False), (2, True)):
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device, 4), use_cuda_graph=graph,
+                                                     paged_kv_indptr_buffer=indptr.clone() if graph else None,
+                                                     paged_kv_indices_buffer=indices.clone() if graph else None,
+                                                     paged_kv_last_page_len_buffer=last.clone() if graph else None)
+        wrapper.plan(indptr, indices, last, group, 1, 512, 16, q_data_type=torch.float16)
+        info = wrapper._core._plan_info
+        assert info["counts"][0] == info["counts"][2] == 0 and info["counts"][1] > 0
+        assert info["grid"][0] == info["grid"][2] == 0 and info["grid"][1] > 0
+    q = rand((2, 2, 512), torch.float16, device, seed=33)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=device)
+    with pytest.raises(ValueError, match="head_dim 512 runs 16-row tiles only"):
+        torch.ops.flashkern.batch_attention(q, cache[:, 0], cache[:, 1], info["kv_indices"], wrapper._core._workspace,
+                                            out, lse, [1, 1, 0, 1], info["sm_scale"])
 
 
 def test_torch_compile_fullgraph(device):

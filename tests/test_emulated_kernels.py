@@ -438,11 +438,13 @@ def decode_plan(lengths, page_size, kv_heads, group, head_dim, dtype, kv_layout=
     return wrapper, q, cache, expected
 
 
-# (group, head_dim, page_size, dtype): every decode group, the 16-row tile (5..16 heads), the 64-row tile
+# (group, head_dim, page_size, dtype): every decode group, the 16-row tile (5..16 heads), the 64-row tile;
+# head_dim 512 (16-row tiles only, the output dims split over warps) with 1 to 32 heads a group
 ATTENTION_CASES = [
     (1, 64, 16, torch.float16), (2, 128, 1, torch.bfloat16), (3, 256, 16, torch.float16), (4, 128, 128, torch.bfloat16),
     (5, 128, 16, torch.float16), (8, 64, 1, torch.bfloat16), (16, 256, 16, torch.bfloat16), (7, 128, 128, torch.float16),
     (24, 128, 16, torch.bfloat16), (32, 64, 16, torch.float16), (32, 256, 3, torch.bfloat16),
+    (1, 512, 16, torch.float16), (4, 512, 1, torch.bfloat16), (32, 512, 16, torch.float16),
 ]
 
 
@@ -459,7 +461,8 @@ FP8_CASES = [
     (1, 128, 16, torch.float16, torch.float8_e4m3fn), (4, 64, 1, torch.bfloat16, torch.float8_e5m2),
     (8, 256, 16, torch.bfloat16, torch.float8_e4m3fn), (32, 128, 3, torch.float16, torch.float8_e5m2),
     (2, 128, 16, torch.bfloat16, torch.float8_e4m3fnuz), (24, 64, 16, torch.float16, torch.float8_e5m2fnuz),
-    (24, 256, 5, torch.float16, torch.float8_e4m3fn),
+    (24, 256, 5, torch.float16, torch.float8_e4m3fn), (2, 512, 16, torch.bfloat16, torch.float8_e4m3fn),
+    (16, 512, 5, torch.float16, torch.float8_e5m2),
 ]
 
 
@@ -576,14 +579,15 @@ def test_batch_attention_kernels_nan_is_not_hidden(attention_lib):
         check_attention(out[2], lse[2], eo[2], e_lse[2], torch.float16)
 
 
-@pytest.mark.parametrize("group", [1, 5])
-def test_cascade_kernels(attention_lib, group):
-    """A 300-token prefix shared by 20 requests (rows straddle 64-row tiles for group 5) and their suffixes."""
+@pytest.mark.parametrize("group,head_dim", [(1, 128), (5, 128), (5, 512)])
+def test_cascade_kernels(attention_lib, group, head_dim):
+    """A 300-token prefix shared by 20 requests (rows straddle 64-row tiles for group 5, 16-row ones at
+    head_dim 512) and their suffixes."""
     from paged_kv import i32, paged, random_kv
 
     import flashkern
 
-    batch, kv_heads, head_dim = 20, 2, 128
+    batch, kv_heads = 20, 2
     suffixes = [(7 * b) % 41 for b in range(batch)]  # some empty
     kvs = random_kv([300] + suffixes, kv_heads, head_dim, seed=6)
     cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.bfloat16, seed=6)
@@ -645,8 +649,9 @@ def test_batch_attention_kernels_sinks_out_dtype_and_scale(attention_lib, group)
                     torch.float16)
 
 
-@pytest.mark.parametrize("group", [2, 5, 8])  # 16-row tiles, 64-row tiles with queries straddling two, 64-row
-def test_prefill_kernels_masks(attention_lib, group):
+# 16-row tiles, 64-row tiles with queries straddling two, 64-row; head_dim 512: 16-row tiles, queries straddling two
+@pytest.mark.parametrize("group,head_dim", [(2, 64), (5, 64), (8, 64), (5, 512)])
+def test_prefill_kernels_masks(attention_lib, group, head_dim):
     """Prefill (ragged KV: one-token pages, the identity page table) through every tile shape: causal
     with a sliding window and a soft cap, split; a custom mask (random, a row that sees nothing)."""
     from test_prefill import expected_batch, indptr, random_masks, ragged
@@ -658,8 +663,8 @@ def test_prefill_kernels_masks(attention_lib, group):
     dtype = torch.float16
     for qo_lens, kv_lens, options in (([6, 40], [6, 300], dict(causal=True, window_left=17, logits_soft_cap=30.0)),
                                       ([7, 3], [20, 9], dict(masks=True))):
-        kvs = random_kv(kv_lens, 2, 64, seed=45)
-        q = rand((sum(qo_lens), 2 * group, 64), dtype, "cpu", scale=3.0, seed=46)
+        kvs = random_kv(kv_lens, 2, head_dim, seed=45)
+        q = rand((sum(qo_lens), 2 * group, head_dim), dtype, "cpu", scale=3.0, seed=46)
         masks = None
         if options.pop("masks", False):
             masks = random_masks(qo_lens, kv_lens, 47)
@@ -667,7 +672,7 @@ def test_prefill_kernels_masks(attention_lib, group):
             options["custom_mask"] = torch.cat([m.reshape(-1) for m in masks])
         wrapper = flashkern.BatchPrefillWithRaggedKVCacheWrapper(torch.zeros(16 << 20, dtype=torch.uint8))
         wrapper._core._min_chunk = 64
-        wrapper.plan(indptr(qo_lens), indptr(kv_lens), 2 * group, 2, 64, q_data_type=dtype, **options)
+        wrapper.plan(indptr(qo_lens), indptr(kv_lens), 2 * group, 2, head_dim, q_data_type=dtype, **options)
         k, v = ragged(kvs, dtype, "cpu")
         out, lse = run_attention(attention_lib, wrapper, q, (k[:, None], v[:, None]))
         eo, e_lse = expected_batch(q, rounded(kvs, dtype), qo_lens, options.get("causal", False),

@@ -53,7 +53,7 @@ def on(device, values):
 
 # (group, head_dim, page_size, kv_layout, per-head scales): the decode kernel, the 16-row tiles (groups > 4)
 DECODE_CASES = [(1, 128, 16, "NHD", True), (4, 64, 1, "HND", False), (8, 256, 16, "NHD", True),
-                (16, 128, 16, "HND", True)]
+                (16, 128, 16, "HND", True), (2, 512, 16, "HND", True)]
 
 
 # every shape in OCP's formats; the fnuz ones (the conversion differs per format, not per shape) in two
@@ -80,7 +80,7 @@ def test_batch_decode(device, fp8, group, head_dim, page_size, kv_layout, per_he
 
 
 # (causal, window_left, logits_soft_cap, sinks, head_dim): prefill's options over the 16- and 64-row tiles
-PREFILL_CASES = [(True, 17, None, True, 256), (False, -1, 30.0, False, 128)]
+PREFILL_CASES = [(True, 17, None, True, 256), (False, -1, 30.0, False, 128), (True, 17, 30.0, True, 512)]
 
 
 @pytest.mark.parametrize("fp8", OCP)

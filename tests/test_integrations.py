@@ -135,7 +135,7 @@ def test_an_activation_without_a_kernel_stays_as_it_was(restore_rope):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_attention_at_a_head_dim_the_kernels_do_not_take(dtype, restore_rope):
-    """head_dim 32: in float16 the attention stays the model's (the kernels take 64, 128 or 256), the rest is
+    """head_dim 32: in float16 the attention stays the model's (the kernels take 64, 128, 256 or 512), the rest is
     patched, and greedy generation matches the unpatched model; in float32 the reference runs attention."""
     config = transformers.LlamaConfig(**SMALL, head_dim=32)
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_attention_at_a_head_dim_the_kernels_do_not_take(dtype, restore_rope):
     default = model.config._attn_implementation
     ids = torch.randint(0, SMALL["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5))
     if dtype == torch.float16:
-        with pytest.warns(UserWarning, match=r"attention \(head_dim 32: the attention kernels take 64, 128 or 256\)"):
+        with pytest.warns(UserWarning, match=r"attention \(head_dim 32: the attention kernels take 64, 128, 256 or 512\)"):
             replaced = apply_flashkern(model, attention=True)
         assert replaced["attention"] == [] and model.config._attn_implementation == default
     else:

@@ -120,7 +120,7 @@ def test_ragged_prefill(device, causal, group, dtype):
     run_ragged(device, [n for n, _ in QO_KV], [m for _, m in QO_KV], 2, group, 128, dtype, causal=causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_head_dims_and_layouts(device, head_dim, kv_layout):
     run_ragged(device, [70, 1], [99, 40], 1, 8, head_dim, torch.bfloat16, seed=1, kv_layout=kv_layout, causal=True)
@@ -263,6 +263,19 @@ def test_single_prefill(device, dtype, kv_layout):
     mask = random_masks([30], [77], 16)[0]
     out = flashkern.single_prefill_with_kv_cache_return_lse(q, k, v, custom_mask=mask, kv_layout=kv_layout)[0]
     assert_close(out, expected_batch(q, rounded(kvs, dtype), [30], masks=[mask])[0], dtype)
+
+
+def test_single_prefill_head_dim_512(device):
+    """head_dim 512 (16-row tiles only), GQA 16:1: causal with a window and a soft cap, then a custom mask."""
+    kvs = random_kv([90], 1, 512, 20)
+    q = rand((21, 16, 512), torch.float16, device, seed=21)
+    k, v = ragged(kvs, torch.float16, device)
+    out, lse = single_prefill_with_kv_cache(q, k, v, causal=True, window_left=40, logits_soft_cap=20.0,
+                                            return_lse=True)
+    check(out, lse, expected_batch(q, rounded(kvs, torch.float16), [21], True, 40, cap=20.0), torch.float16)
+    mask = random_masks([21], [90], 22)[0]
+    out = single_prefill_with_kv_cache(q, k, v, custom_mask=mask)
+    assert_close(out, expected_batch(q, rounded(kvs, torch.float16), [21], masks=[mask])[0], torch.float16)
 
 
 @pytest.mark.parametrize("window_left", [-1, 3])

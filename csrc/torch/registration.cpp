@@ -23,7 +23,7 @@
 
 TORCH_LIBRARY(flashkern, m) { flashkern::define_schemas(m); }
 
-// _C.plan_attention(levels, batch, page_size, group_size, kv_heads, cta_budget, min_chunk,
+// _C.plan_attention(levels, batch, page_size, group_size, kv_heads, head_dim, cta_budget, min_chunk,
 //                   item_capacity, slot_capacity, names, indexed, out, out_words)
 //   -> (words, (count per kind), slots, chunk, needs_merge), or ValueError naming the bad argument.
 // levels: [(qo_indptr, kv_indptr, kv_last_page_len, groups, num_indices, causal, window_left, custom_mask,
@@ -38,8 +38,8 @@ static PyObject* plan_attention(PyObject*, PyObject* args) {
   int indexed = 0;
   unsigned long long out_ptr = 0;
   long long out_words = 0;
-  if (!PyArg_ParseTuple(args, "OLLLLLLLL(ssss)pKL", &level_list, &shape.batch, &shape.page_size, &shape.group_size,
-                        &shape.kv_heads, &shape.cta_budget, &shape.min_chunk, &shape.item_capacity,
+  if (!PyArg_ParseTuple(args, "OLLLLLLLLL(ssss)pKL", &level_list, &shape.batch, &shape.page_size, &shape.group_size,
+                        &shape.kv_heads, &shape.head_dim, &shape.cta_budget, &shape.min_chunk, &shape.item_capacity,
                         &shape.slot_capacity, &names[0], &names[1], &names[2], &names[3], &indexed, &out_ptr,
                         &out_words))
     return nullptr;
@@ -148,11 +148,12 @@ static PyObject* workspace_bytes(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(fk::workspace_bytes(slots, batch, heads, head_dim));
 }
 
-// _C.attention_kind(queries, group_size): the kernel (0 decode, 1 tile16, 2 tile64) a group runs
+// _C.attention_kind(queries, group_size, head_dim): the kernel (0 decode, 1 tile16, 2 tile64) a group runs
 static PyObject* attention_kind(PyObject*, PyObject* args) {
   long long queries = 0, group = 0;
-  if (!PyArg_ParseTuple(args, "LL", &queries, &group)) return nullptr;
-  return PyLong_FromLong(long(fk::attention_kind(queries, group)));
+  int head_dim = 0;
+  if (!PyArg_ParseTuple(args, "LLi", &queries, &group, &head_dim)) return nullptr;
+  return PyLong_FromLong(long(fk::attention_kind(queries, group, head_dim)));
 }
 
 static PyMethodDef methods[] = {
@@ -173,6 +174,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyModule_AddStringConstant(m, "BACKEND", FLASHKERN_BACKEND);  // "cuda", "hip" or "cpu"
   PyModule_AddStringConstant(m, "ARCHS", FLASHKERN_ARCHS);      // e.g. "80;90" or "gfx90a;gfx942"
   PyModule_AddIntConstant(m, "MAX_LEVELS", fk::kMaxLevels);     // attention levels (kv_indices per launch)
+  PyModule_AddIntConstant(m, "MAX_WIDE_HEAD_DIM", fk::kMaxWideHeadDim);  // wider head dims: 16-row tiles only
   PyModule_AddIntConstant(m, "OPTIM_TABLE_ENTRY_BYTES", int(sizeof(fk::OptimTensor)));  // grad_norm, adamw tables
   PyModule_AddIntConstant(m, "OPTIM_CHUNK", int(fk::kOptimChunk));
   PyModule_AddObject(m, "KIND_ROWS", Py_BuildValue("(iii)", fk::kind_rows(fk::AttentionKind::decode),

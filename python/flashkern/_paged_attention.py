@@ -17,6 +17,7 @@ import torch
 from . import _C, _backend, ref
 from ._validate import (
     ATTENTION_DTYPES,
+    ATTENTION_HEAD_DIMS,
     FP8_DTYPES,
     MIN_SOFT_CAP,
     check_aligned,
@@ -315,7 +316,7 @@ class PagedAttention:
         read). Checks the rest, plans, and writes the plan into the workspace; dry_run: returns
         the workspace bytes the plan needs (at its preferred split) instead. graph_tables: under CUDA graphs,
         the fixed buffers the plan filled, (qo_indptr or None, kv_indptr, kv_last_page_len), for kv_scores."""
-        check_head_dim(op, head_dim)
+        check_head_dim(op, head_dim, ATTENTION_HEAD_DIMS)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive_int(op, name, value)
         if num_qo_heads % num_kv_heads:
@@ -358,16 +359,17 @@ class PagedAttention:
         budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else (1 << 40, split_tokens)
         if dry_run:  # room for every item and state: the split the device asks for, never grown to fit
             _, counts, slots, _, _ = _C.plan_attention(
-                plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
+                plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,
                 1 << 40, 1 << 40, names, indexed, 0, 0)
             return _C.workspace_bytes(slots, batch, num_qo_heads, head_dim)  # items: room for 2 per slot and query
         words, counts, slots, chunk, needs_merge = _C.plan_attention(
-            plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, budget, min_chunk,
+            plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,
             item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
         self._workspace[: 4 * words].view(torch.int32).copy_(payload[:words], non_blocking=True)
         self._plan_number = _WORKSPACE_PLANS[self._workspace_key] = next(_plan_numbers)
         if self._use_cuda_graph:  # the captured launch must not depend on the plan
-            grid = [self._cta_budget if k in possible_kinds else 0 for k in range(3)] + [1]
+            kinds = possible_kinds if head_dim <= _C.MAX_WIDE_HEAD_DIM else {1}  # wider: 16-row tiles only
+            grid = [self._cta_budget if k in kinds else 0 for k in range(3)] + [1]
         else:
             grid = [min(c, 1 << 20) for c in counts] + [int(needs_merge)]
         self._plan_info = {

@@ -187,7 +187,8 @@ def check_state(op, v_name, v, s_name, s, reference, stacked=False):
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 # an fp8 KV cache's dtypes (q stays 16-bit): OCP's formats (NVIDIA and AMD), AMD's fnuz ones (MI300)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # KV compression's kernels (kv_scores, kv_compress)
+ATTENTION_HEAD_DIMS = HEAD_DIMS + (512,)  # attention: 512 in 16-row tiles (attention_work.h: kMaxWideHeadDim)
 MAX_LEVELS = _C.MAX_LEVELS  # attention levels: kv_indices pointers travel in the kernels' parameters
 
 
@@ -206,9 +207,10 @@ def check_positive_int(op, name, value, what=""):
         raise ValueError(f"{op}: {name} must be a positive int{what}, got {value!r}")
 
 
-def check_head_dim(op, head_dim):
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{op}: head_dim must be 64, 128 or 256, got {head_dim}")
+def check_head_dim(op, head_dim, allowed=HEAD_DIMS):
+    if head_dim not in allowed:
+        names = ", ".join(str(d) for d in allowed[:-1]) + f" or {allowed[-1]}"
+        raise ValueError(f"{op}: head_dim must be {names}, got {head_dim}")
 
 
 def check_aligned(op, name, t, alignment):
@@ -239,7 +241,7 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
     if q.dtype not in ATTENTION_DTYPES:
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
     check_last_dim_contiguous(op, "q", q)
-    check_head_dim(op, q.shape[2])
+    check_head_dim(op, q.shape[2], ATTENTION_HEAD_DIMS)
     if k_cache.dtype in FP8_DTYPES:
         if k_cache.device != q.device:
             raise ValueError(f"{op}: k_cache is on {k_cache.device} but q is on {q.device}")
@@ -278,6 +280,9 @@ def check_batch_attention(op, q, k_cache, v_cache, kv_indices, workspace, out, l
         raise ValueError(f"{op}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:2])} on {q.device}")
     if len(grid) != 4 or any(int(g) < 0 for g in grid):
         raise ValueError(f"{op}: grid must be four non-negative block counts, got {list(grid)}")
+    if q.shape[2] > _C.MAX_WIDE_HEAD_DIM and (grid[0] or grid[2]):
+        raise ValueError(f"{op}: head_dim {q.shape[2]} runs 16-row tiles only (its plans have no other items): "
+                         f"grid[0] and grid[2] must be 0, got {list(grid)}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"{op}: sm_scale must be finite, got {sm_scale}")
     if not math.isfinite(out_scale):

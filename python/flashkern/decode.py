@@ -175,7 +175,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         planned = self._core._plan(op, [(qo_h, indptr_h, indices_h, last_h)], [indices_d], batch * q_len_per_req,
                                    num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_dtype, kv_dtype,
                                    ("qo_indptr", "indptr", "indices", "last_page_len"), False,
-                                   {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1))},
+                                   {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1), head_dim)},
                                    split_tokens, o_dtype, causal=q_len_per_req > 1, window_left=window_left,
                                    logits_soft_cap=logits_soft_cap, dry_run=dry_run,
                                    graph_tables=(None, self._buffers[0], self._buffers[2]))

@@ -38,6 +38,7 @@ struct PlanShape {
   int64_t page_size;
   int64_t group_size;  // q heads per KV head
   int64_t kv_heads;
+  int64_t head_dim;
   int64_t cta_budget;  // blocks the device runs at once
   int64_t min_chunk;   // tokens
   int64_t item_capacity, slot_capacity;  // workspace_layout()
@@ -202,10 +203,10 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
       Entry e{};
       e.whole = {int32_t(l), int32_t(q0), int32_t(n_q), 0, int32_t(p0), 0, int32_t(length), 0, int32_t(first),
                  causal ? int32_t(diagonal) : kNoDiagonal, lv.custom_mask ? int32_t(mask) : -1, int32_t(length)};
-      e.kind = attention_kind(n_q, s.group_size);
+      e.kind = attention_kind(n_q, s.group_size, int(s.head_dim));
       if (lv.custom_mask && e.kind == AttentionKind::decode) e.kind = AttentionKind::tile16;  // only tiles read masks
       e.tile_rows = kind_rows(e.kind);
-      e.row_tiles = e.kind == AttentionKind::tile64 ? (n_q * s.group_size + e.tile_rows - 1) / e.tile_rows : 1;
+      e.row_tiles = e.kind == AttentionKind::decode ? 1 : (n_q * s.group_size + e.tile_rows - 1) / e.tile_rows;
       entries.push_back(e);
     }
   }

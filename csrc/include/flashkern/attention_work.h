@@ -37,8 +37,13 @@ FK_HOST_DEVICE int kind_rows(AttentionKind kind) {
   return kind == AttentionKind::tile64 ? 64 : kind == AttentionKind::tile16 ? 16 : kDecodeMaxGroup;
 }
 
+// Head dims above this run only 16-row tiles: a 64-row tile's q alone would fill HIP's 64 KB, and
+// the decode kernel's sub-warp of head_dim / 8 lanes would be wider than a warp (design.md).
+inline constexpr int kMaxWideHeadDim = 256;
+
 // The kernel for a group of n_q queries with GQA groups of `group` q heads (its rows: n_q * group).
-FK_HOST_DEVICE AttentionKind attention_kind(int64_t n_q, int64_t group) {
+FK_HOST_DEVICE AttentionKind attention_kind(int64_t n_q, int64_t group, int head_dim) {
+  if (head_dim > kMaxWideHeadDim) return AttentionKind::tile16;  // as many 16-row tiles as it takes
   if (n_q == 1 && group <= kDecodeMaxGroup) return AttentionKind::decode;
   return n_q * group <= kind_rows(AttentionKind::tile16) ? AttentionKind::tile16 : AttentionKind::tile64;
 }

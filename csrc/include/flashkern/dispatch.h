@@ -37,6 +37,13 @@ decltype(auto) with_head_dim(int head_dim, F&& f) {
   return f(std::integral_constant<int, 256>{});
 }
 
+// The attention kernels' head dims: those and 512 (16-row tiles only: attention_work.h).
+template <typename F>
+decltype(auto) with_attention_head_dim(int head_dim, F&& f) {
+  if (head_dim == 512) return f(std::integral_constant<int, 512>{});
+  return with_head_dim(head_dim, static_cast<F&&>(f));
+}
+
 // The storage type of a norm weight: fp32, or the same type as the input.
 template <typename T, typename F>
 decltype(auto) with_weight_dtype(DType weight_dtype, F&& f) {

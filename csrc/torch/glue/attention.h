@@ -147,8 +147,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
                    ": q must be float16 or bfloat16, got ", dtype_name(q_in.scalar_type()));
   check_last_dim_contiguous(op, "q", q_in);
   const int64_t batch = q_in.size(0), qo_heads = q_in.size(1), head_dim = q_in.size(2);
-  FK_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op,
-                    ": head_dim must be 64, 128 or 256, got ", head_dim);
+  FK_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256 || head_dim == 512, op,
+                 ": head_dim must be 64, 128, 256 or 512, got ", head_dim);
   const int kv_format = fp8_format(k_cache.scalar_type());
   if (kv_format < 0) {
     check_same(op, "k_cache", k_cache, "q", q_in, /*same_shape=*/false);
@@ -202,6 +202,8 @@ void batch_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_
   FK_CHECK_VALUE(grid.size() == 4, op, ": grid must be four non-negative block counts, got ", grid);
   for (const int64_t g : grid)
     FK_CHECK_VALUE(g >= 0 && g < (int64_t(1) << 31), op, ": grid must be four non-negative block counts, got ", grid);
+  FK_CHECK_VALUE(head_dim <= fk::kMaxWideHeadDim || (grid[0] == 0 && grid[2] == 0), op, ": head_dim ", head_dim,
+                 " runs 16-row tiles only (its plans have no other items): grid[0] and grid[2] must be 0, got ", grid);
   FK_CHECK_VALUE(std::isfinite(sm_scale), op, ": sm_scale must be finite, got ", sm_scale);
   FK_CHECK_VALUE(std::isfinite(out_scale), op, ": out_scale must be finite, got ", out_scale);
   if (sinks.has_value())

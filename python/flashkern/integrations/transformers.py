@@ -26,7 +26,7 @@ import warnings
 import torch
 
 import flashkern
-from flashkern._validate import HEAD_DIMS, KERNEL_DTYPES
+from flashkern._validate import ATTENTION_HEAD_DIMS, KERNEL_DTYPES
 
 FAMILIES = {
     # model_type: (modeling module, RMSNorm class, MLP class, norm weight offset)
@@ -179,14 +179,14 @@ def registered_attention():
 
 def _attention_refusal(model):
     """Why flashkern's attention cannot run this model, or None: the kernels take fp16 / bf16 with head_dim
-    64, 128 or 256 (the reference, float32 with any head_dim), and no dropout."""
+    64, 128, 256 or 512 (the reference, float32 with any head_dim), and no dropout."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the model's dtype is {dtype}; flashkern's attention takes float16, bfloat16 or float32"
-    if dtype != torch.float32 and head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim}: the attention kernels take 64, 128 or 256"
+    if dtype != torch.float32 and head_dim not in ATTENTION_HEAD_DIMS:
+        return f"head_dim {head_dim}: the attention kernels take 64, 128, 256 or 512"
     if getattr(config, "attention_dropout", 0.0):
         return f"attention_dropout {config.attention_dropout}: flashkern's attention has no dropout"
     return None

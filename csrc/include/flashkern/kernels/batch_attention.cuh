@@ -101,7 +101,9 @@ const char* launch_tiles(int blocks, int kv_heads, int threads, int bytes, const
 template <int kWarp, typename T, int D, bool kFp8>
 const char* run_attention_kernels(const BatchAttentionParams& p, gpuStream_t stream) {
   const char* error = nullptr;
-  if (p.grid[0] > 0) {
+  if constexpr (D > kMaxWideHeadDim) {  // the planner gives wider heads 16-row tiles only (attention_work.h)
+    if (p.grid[0] > 0 || p.grid[2] > 0) return "batch_attention: head_dim 512 runs 16-row tiles only";
+  } else if (p.grid[0] > 0) {
     error = with_decode_group(p.qo_heads / p.kv_heads, [&](auto g) {
       constexpr int G = decltype(g)::value;
       using S = DecodeShape<D>;
@@ -116,10 +118,12 @@ const char* run_attention_kernels(const BatchAttentionParams& p, gpuStream_t str
                                                                              S::kBlockBytes, p, stream);
     if (error) return error;
   }
-  if (p.grid[2] > 0) {
-    using S = TileShape<D, 64, kWarp, kFp8>;
-    error = launch_tiles<multi_query_attention_kernel<T, D, 64, kWarp, kFp8>>(p.grid[2], p.kv_heads, S::kThreads,
-                                                                             S::kBlockBytes, p, stream);
+  if constexpr (D <= kMaxWideHeadDim) {
+    if (p.grid[2] > 0) {
+      using S = TileShape<D, 64, kWarp, kFp8>;
+      error = launch_tiles<multi_query_attention_kernel<T, D, 64, kWarp, kFp8>>(p.grid[2], p.kv_heads, S::kThreads,
+                                                                               S::kBlockBytes, p, stream);
+    }
   }
   return error;
 }
@@ -128,7 +132,7 @@ template <int kWarp>
 const char* run_batch_attention(const BatchAttentionParams& p, gpuStream_t stream) {
   return with_dtype16(p.dtype, [&](auto t) {
     using T = decltype(t);
-    return with_head_dim(p.head_dim, [&](auto d) -> const char* {
+    return with_attention_head_dim(p.head_dim, [&](auto d) -> const char* {
       constexpr int D = decltype(d)::value;
       const char* error = p.kv_format >= 0 ? run_attention_kernels<kWarp, T, D, true>(p, stream)
                                            : run_attention_kernels<kWarp, T, D, false>(p, stream);

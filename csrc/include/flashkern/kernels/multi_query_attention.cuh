@@ -3,7 +3,10 @@
 // request of a cascade level, and serves decode with GQA groups of more than kDecodeMaxGroup heads
 // (the group's heads are the rows). Rows of a group: (query, q head of the GQA group), query-major.
 //   tile64: 64 rows (4 warps x 16, or 8 x 8 on HIP wave32), every warp over the whole KV tile
-//   tile16: 16 rows, kWarpsN groups of warps splitting each KV tile, merging their states at the end
+//   tile16: 16 rows, kWarpsN groups of warps splitting each KV tile, merging their states at the end;
+//           head_dim 512 (16-row tiles only): kWarpsD = 4 warps over the same 16 tokens, each
+//           computing the whole S (cheap: decode and prefill at 512 are bound by K/V bytes) and
+//           accumulating its 128 of the 512 output dimensions
 // A warp's arithmetic is warp_tile.cuh (mma.sync, MFMA or plain fp32); online softmax in base 2,
 // fp32. K/V tiles (swizzled) stream through a cp.async pipeline, one barrier per tile; without
 // cp.async (HIP) a tile is loaded, then used. Bytes: the chunk's K and V, q and the output rows.
@@ -16,15 +19,19 @@ namespace fk {
 // Tile shapes depend on the head_dim, the warp width and the platform, never on the matrix unit,
 // which may differ between the host and device passes of a HIP build (platform.h). An fp8 cache's
 // 64-row tile of head_dim 256 takes 16 tokens a tile, so that its staging fits 99 KB (sm_86/89/120).
+// Head dims above kMaxWideHeadDim: 16 rows x 16 tokens, output dims split over kWarpsD warps.
 template <int kHeadDim, int kItemRows, int kWarp, bool kFp8 = false>
 struct TileShape {
   static constexpr bool kWide = kItemRows == 64;
+  static_assert(!kWide || kHeadDim <= kMaxWideHeadDim, "wider heads: 16-row tiles only (attention_work.h)");
   static constexpr int kWarpRows = fk::kWarpRows<kWarp>;
+  static constexpr int kOutDims = kHeadDim > kMaxWideHeadDim ? 128 : kHeadDim;  // a warp's output dimensions
+  static constexpr int kWarpsD = kHeadDim / kOutDims;                    // warps splitting the output dims
   static constexpr int kWarpsM = kItemRows / kWarpRows;                  // warps along the rows
-  static constexpr int kWarpsN = kWide ? 1 : (kHeadDim == 256 ? 2 : 4);  // warps splitting a KV tile
+  static constexpr int kWarpsN = kWide || kWarpsD > 1 ? 1 : (kHeadDim == 256 ? 2 : 4);  // warps splitting a KV tile
   static constexpr int kWarpTokens = kWide ? (kHeadDim < 256 ? 64 : kAsyncCopy && !kFp8 ? 32 : 16) : 16;
   static constexpr int kTileN = kWarpsN * kWarpTokens;  // KV tokens a tile
-  static constexpr int kThreads = kWarp * kWarpsM * kWarpsN;
+  static constexpr int kThreads = kWarp * kWarpsM * kWarpsN * kWarpsD;
   static constexpr int kStages = kAsyncCopy ? 2 : 1;
   static constexpr int kQElems = kItemRows * kHeadDim;
   static constexpr int kStageElems = 2 * kTileN * kHeadDim;  // K and V
@@ -34,15 +41,15 @@ struct TileShape {
   static constexpr int kBlockBytes = kSharedBytes + kStagingBytes;  // what a block asks for
   // the opt-in maximum of sm_86/89/120; HIP's 64 KB LDS, of which __syncthreads_or takes 256 bytes
   static_assert(kBlockBytes <= (kAsyncCopy ? 99 * 1024 : 64 * 1024 - 256), "a block's shared memory fits");
-  // tile16's epilogue: every warp's o in the K/V stages, its m and l where q was
-  static_assert(kWide || kWarpsN * kItemRows * kHeadDim * 4 <= kStages * kStageElems * 2, "merge parts fit");
-  static_assert(kWide || kWarpsN * kItemRows * 2 * 4 <= kQElems * 2, "m and l fit the q tile");
+  // the epilogue of warps splitting a KV tile: every warp's o in the K/V stages, its m and l where q was
+  static_assert(kWarpsN == 1 || kWarpsN * kItemRows * kHeadDim * 4 <= kStages * kStageElems * 2, "merge parts fit");
+  static_assert(kWarpsN == 1 || kWarpsN * kItemRows * 2 * 4 <= kQElems * 2, "m and l fit the q tile");
 };
 
 template <typename T, int kHeadDim, int kItemRows, int kWarp, bool kFp8>
 FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   using S = TileShape<kHeadDim, kItemRows, kWarp, kFp8>;
-  using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>()>;
+  using Warp = WarpTile<T, kHeadDim, S::kWarpTokens, kWarp, matrix_unit<kWarp>(), S::kOutDims>;
   static_assert(Warp::kRows == S::kWarpRows, "the warp tile has the rows the shape planned for");
   using Pipeline = KVPipeline<T, kHeadDim, S::kTileN, S::kThreads, S::kStages, true, kFp8, kFp8 ? 16 : kVec16Bit>;  // fp8: 16-byte copies
   static_assert(Pipeline::kCodeBytes == S::kStagingBytes, "the staging the shape asks for");
@@ -52,7 +59,8 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   T* q_tile = reinterpret_cast<T*>(smem);
   T* kv = q_tile + S::kQElems;  // stage s: K at s * kStageElems, V kTileN rows further
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM, kv_head = blockIdx.y;
+  const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM % S::kWarpsN, kv_head = blockIdx.y;
+  const int wd = warp / (S::kWarpsM * S::kWarpsN);  // which kOutDims of the output
   const int group = p.qo_heads / p.kv_heads;
   const LogitMap logit(p, kv_head);
   const int count = plan_header(p).count[int(kKind)];
@@ -79,7 +87,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     pipe.start();  // the first commit group carries q too
     const int tiles_n = pipe.tiles();
 
-    Warp tile(lane);
+    Warp tile(lane, wd * S::kOutDims);
     float m[kSlots], l[kSlots];  // l: this lane's share until the end
     int32_t query[kSlots];       // each row slot's query in the group: it sees tokens j with first <= j - query <= last
 #pragma unroll
@@ -120,7 +128,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
           tile.s[f][e] = x;
           if constexpr (!S::kWide) {  // kv_scores' epilogue (16-row tiles: decode and short queries)
             const int r = wm * S::kWarpRows + tile.slot_row(Warp::s_slot(f, e));
-            if (p.logits != nullptr && seen && r < rows)
+            if (p.logits != nullptr && seen && r < rows && wd == 0)  // the kWarpsD warps' scores are the same
               p.logits[(int64_t(query_of(r)) * p.qo_heads + head_of(r)) * p.logits_stride + token] = x;
           }
           tile_max[Warp::s_slot(f, e)] = fmaxf(tile_max[Warp::s_slot(f, e)], x);
@@ -156,7 +164,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
     auto sink_of = [&](int r) { return StateSink(p, query_of(r), head_of(r), item.slot_base + query_of(r)); };
     auto writes = [&](int r) { return r < rows && sees_chunk(item, index_of(r)); };  // else: not its chunk
 
-    if constexpr (S::kWide) {  // each warp writes its rows from its registers
+    if constexpr (S::kWarpsN == 1) {  // each warp writes its rows (and dims) from its registers
 #pragma unroll
       for (int slot = 0; slot < kSlots; ++slot) {
         const int r = wm * S::kWarpRows + tile.slot_row(slot);

@@ -1,8 +1,10 @@
 // One warp's share of the multi-query attention kernel, on the matrix unit of the compilation
 // pass (platform.h: matrix_unit): kRows query rows against kTokens tokens of K/V tiles held in
 // shared memory as swizzled [rows, kHeadDim] 16-bit tiles (attention_tiles.cuh: tile_offset).
-//   scores(q, k)    s = Q K^T                (fp32 accumulators)
-//   accumulate(v)   o += P V, where P is s after the softmax weights were written into it
+//   scores(q, k)    s = Q K^T                (fp32 accumulators, over all of kHeadDim)
+//   accumulate(v)   o += P V, where P is s after the softmax weights were written into it, for
+//                   the kOutDims output dimensions from dim0 (all of them, unless the kernel
+//                   splits a wide head over warps: their o would not fit one warp's registers)
 // A lane holds elements s[f][e] and o[f][e]; s_slot / s_token and o_slot / o_dim say which row
 // slot and token / dimension each one is, slot_row(r) which of the 16 rows row slot r is, and
 // row_max / row_sum reduce over the lanes that hold the same rows. Consecutive elements e, e + 1
@@ -20,7 +22,7 @@
 
 namespace fk {
 
-template <typename T, int kHeadDim, int kTokens, int kWarp, MatrixUnit kUnit>
+template <typename T, int kHeadDim, int kTokens, int kWarp, MatrixUnit kUnit, int kOutDims = kHeadDim>
 struct WarpTile;
 
 template <typename T>
@@ -46,23 +48,24 @@ FK_DEVICE int swizzled(int row, int d) {
 
 // ---------------------------------------------------------------- CUDA: mma.sync + ldmatrix
 
-template <typename T, int kHeadDim, int kTokens, int kWarp>
-struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mma_sync> {
-  static_assert(kWarp == 32 && kTokens % 16 == 0 && kHeadDim % 16 == 0, "m16n8k16 tiles");
+template <typename T, int kHeadDim, int kTokens, int kWarp, int kOutDims>
+struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mma_sync, kOutDims> {
+  static_assert(kWarp == 32 && kTokens % 16 == 0 && kHeadDim % 16 == 0 && kOutDims % 16 == 0, "m16n8k16 tiles");
   static constexpr int kRows = 16;
   static constexpr int kRowSlots = 2;
   static constexpr int kSF = kTokens / 8, kSE = 4;    // an n-tile of 8 tokens
-  static constexpr int kOF = kHeadDim / 8, kOE = 4;   // an n-tile of 8 dimensions
+  static constexpr int kOF = kOutDims / 8, kOE = 4;   // an n-tile of 8 dimensions
   float s[kSF][kSE];
   float o[kOF][kOE];
   int lane;
+  int dim0;  // the first of this warp's kOutDims output dimensions
 
-  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) { zero(o); }
+  FK_DEVICE explicit WarpTile(int lane_, int dim0_ = 0) : lane(lane_), dim0(dim0_) { zero(o); }
   FK_DEVICE int slot_row(int slot) const { return lane / 4 + 8 * slot; }
   static FK_HOST_DEVICE constexpr int s_slot(int, int e) { return e / 2; }
   FK_DEVICE int s_token(int f, int e) const { return 8 * f + 2 * (lane % 4) + e % 2; }
   static FK_HOST_DEVICE constexpr int o_slot(int, int e) { return e / 2; }
-  FK_DEVICE int o_dim(int f, int e) const { return 8 * f + 2 * (lane % 4) + e % 2; }
+  FK_DEVICE int o_dim(int f, int e) const { return dim0 + 8 * f + 2 * (lane % 4) + e % 2; }
   static FK_DEVICE float row_max(float v) {
     v = fmaxf(v, shfl_xor(v, 1));
     return fmaxf(v, shfl_xor(v, 2));  // the 4 lanes of a row group
@@ -99,9 +102,9 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mma_sync> {
                              pack2<T>(s[2 * kb + 1][0], s[2 * kb + 1][1]),
                              pack2<T>(s[2 * kb + 1][2], s[2 * kb + 1][3])};
 #pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+      for (int dp = 0; dp < kOutDims / 16; ++dp) {
         uint32_t b[4];  // transposed matrices: tokens 0-7 / 8-15 (m % 2) x dims 0-7 / 8-15 (m / 2)
-        ldmatrix_x4_trans(b, v + swizzled<kHeadDim>(16 * kb + 8 * (m % 2) + r8, 16 * dp + 8 * (m / 2)));
+        ldmatrix_x4_trans(b, v + swizzled<kHeadDim>(16 * kb + 8 * (m % 2) + r8, dim0 + 16 * dp + 8 * (m / 2)));
         const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
         mma_m16n8k16<T>(o[2 * dp], a, b0);
         mma_m16n8k16<T>(o[2 * dp + 1], a, b1);
@@ -134,22 +137,23 @@ struct RowPerLane {
   }
 };
 
-template <typename T, int kHeadDim, int kTokens, int kWarp>
-struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mfma> : RowPerLane<kWarp, 16> {
-  static_assert(kWarp == 64 && kTokens % 16 == 0 && kHeadDim % 16 == 0, "16x16x16 tiles on wave64");
+template <typename T, int kHeadDim, int kTokens, int kWarp, int kOutDims>
+struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mfma, kOutDims> : RowPerLane<kWarp, 16> {
+  static_assert(kWarp == 64 && kTokens % 16 == 0 && kHeadDim % 16 == 0 && kOutDims % 16 == 0, "16x16x16 tiles on wave64");
   static constexpr int kRows = 16;
   static constexpr int kSF = kTokens / 16, kSE = 4;
-  static constexpr int kOF = kHeadDim / 16, kOE = 4;
+  static constexpr int kOF = kOutDims / 16, kOE = 4;
   float s[kSF][kSE];
   float o[kOF][kOE];
   int lane;
+  int dim0;  // the first of this warp's kOutDims output dimensions
 
-  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) { zero(o); }
+  FK_DEVICE explicit WarpTile(int lane_, int dim0_ = 0) : lane(lane_), dim0(dim0_) { zero(o); }
   FK_DEVICE int slot_row(int) const { return lane % 16; }
   static FK_HOST_DEVICE constexpr int s_slot(int, int) { return 0; }
   FK_DEVICE int s_token(int f, int e) const { return 16 * f + 4 * (lane / 16) + e; }
   static FK_HOST_DEVICE constexpr int o_slot(int, int) { return 0; }
-  FK_DEVICE int o_dim(int f, int e) const { return 16 * f + 4 * (lane / 16) + e; }
+  FK_DEVICE int o_dim(int f, int e) const { return dim0 + 16 * f + 4 * (lane / 16) + e; }
 
   FK_DEVICE void scores(const T* q, const T* k) {
     zero(s);
@@ -177,8 +181,8 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mfma> : RowPerLane<kWar
         uint32_t a[2];
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
-          const uint32_t lo = element_bits(v[swizzled<kHeadDim>(16 * f + t4 + 2 * w, 16 * nd + c)]);
-          const uint32_t hi = element_bits(v[swizzled<kHeadDim>(16 * f + t4 + 2 * w + 1, 16 * nd + c)]);
+          const uint32_t lo = element_bits(v[swizzled<kHeadDim>(16 * f + t4 + 2 * w, dim0 + 16 * nd + c)]);
+          const uint32_t hi = element_bits(v[swizzled<kHeadDim>(16 * f + t4 + 2 * w + 1, dim0 + 16 * nd + c)]);
           a[w] = lo | hi << 16;
         }
         mfma_16x16x16<T>(o[nd], a, b);  // O^T(dim 16nd + t4 + e, row c)
@@ -187,23 +191,24 @@ struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::mfma> : RowPerLane<kWar
   }
 };
 
-template <typename T, int kHeadDim, int kTokens, int kWarp>
-struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::simt> : RowPerLane<kWarp, kWarpRows<kWarp>> {
+template <typename T, int kHeadDim, int kTokens, int kWarp, int kOutDims>
+struct WarpTile<T, kHeadDim, kTokens, kWarp, MatrixUnit::simt, kOutDims> : RowPerLane<kWarp, kWarpRows<kWarp>> {
   static constexpr int kRows = kWarpRows<kWarp>;
   static constexpr int kG = kWarp / kRows;  // lanes a row
-  static_assert(kTokens % 16 == 0 && 16 % kG == 0 && kHeadDim % (8 * kG) == 0, "whole 16-byte vectors per lane");
+  static_assert(kTokens % 16 == 0 && 16 % kG == 0 && kOutDims % (8 * kG) == 0, "whole 16-byte vectors per lane");
   static constexpr int kSF = kTokens / 16, kSE = 16 / kG;   // tokens 16f + kG e + (lane / kRows)
-  static constexpr int kOF = kHeadDim / (8 * kG), kOE = 8;  // dims (lane / kRows) * D / kG + 8f + e
+  static constexpr int kOF = kOutDims / (8 * kG), kOE = 8;  // dims dim0 + (lane / kRows) * kOutDims / kG + 8f + e
   float s[kSF][kSE];
   float o[kOF][kOE];
   int lane;
+  int dim0;  // the first of this warp's kOutDims output dimensions
 
-  FK_DEVICE explicit WarpTile(int lane_) : lane(lane_) { zero(o); }
+  FK_DEVICE explicit WarpTile(int lane_, int dim0_ = 0) : lane(lane_), dim0(dim0_) { zero(o); }
   FK_DEVICE int slot_row(int) const { return lane % kRows; }
   static FK_HOST_DEVICE constexpr int s_slot(int, int) { return 0; }
   FK_DEVICE int s_token(int f, int e) const { return 16 * f + kG * e + lane / kRows; }
   static FK_HOST_DEVICE constexpr int o_slot(int, int) { return 0; }
-  FK_DEVICE int o_dim(int f, int e) const { return (lane / kRows) * (kHeadDim / kG) + 8 * f + e; }
+  FK_DEVICE int o_dim(int f, int e) const { return dim0 + (lane / kRows) * (kOutDims / kG) + 8 * f + e; }
 
   // One 16-byte column of q and of every token's k at a time: few loads in flight, no spills.
   FK_DEVICE void scores(const T* q, const T* k) {
