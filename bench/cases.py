@@ -485,16 +485,27 @@ def cascade_shapes():
     return [(f"b={b} prefix={p} suffix={s}", b, (p, s)) for b, p, s in grid]
 
 
+# head_dim 512 (Gemma-style wide heads, GQA 16:1): the 16-row tiles only, beside SDPA and FlashInfer
+WIDE_HEAD_DIM = 512
+
+
+def decode_wide_shapes():
+    """[(label, batch, (kv length, GQA group))] at head_dim 512."""
+    if BENCH_SET == "smoke":
+        return [("tiny", 2, (40, 16))]
+    return [(f"b={b} len={n} g=16", b, (n, 16)) for b, n in ((1, 32768), (16, 4096), (64, 4096))]
+
+
 def _heads(group):
     return KV_HEADS * group, KV_HEADS
 
 
-def decode_bytes(batch, shape, dtype):
+def decode_bytes(batch, shape, dtype, head_dim=HEAD_DIM):
     """q, the KV every request reads, the output and its LSE."""
     length, group = shape
     s = torch.finfo(dtype).bits // 8
     qo_heads, kv_heads = _heads(group)
-    return 2 * batch * qo_heads * HEAD_DIM * s + 2 * batch * length * kv_heads * HEAD_DIM * s + 4 * batch * qo_heads
+    return 2 * batch * qo_heads * head_dim * s + 2 * batch * length * kv_heads * head_dim * s + 4 * batch * qo_heads
 
 
 def cascade_bytes(batch, shape, dtype):
@@ -520,18 +531,18 @@ def _workspace():
 class PagedCase:
     """One input set: a paged cache in shuffled page order, its page tables, q, and planned wrappers."""
 
-    def __init__(self, seed, batch, tables, qo_heads, kv_heads, dtype, cascade=None):
+    def __init__(self, seed, batch, tables, qo_heads, kv_heads, dtype, cascade=None, head_dim=HEAD_DIM):
         device = "cuda" if GPU else "cpu"
         indptr, indices, last = tables
         num_pages = int(indices.numel()) if cascade is None else int(cascade[2][-1].max()) + 1
         g = torch.Generator().manual_seed(seed)
         self.perm = torch.randperm(num_pages, generator=g).to(torch.int32)  # logical page -> place in the cache
-        self.cache = rand((num_pages, 2, PAGE_SIZE, kv_heads, HEAD_DIM), dtype, seed)
-        self.q = rand((batch, qo_heads, HEAD_DIM), dtype, 10**5 + seed)
+        self.cache = rand((num_pages, 2, PAGE_SIZE, kv_heads, head_dim), dtype, seed)
+        self.q = rand((batch, qo_heads, head_dim), dtype, 10**5 + seed)
         self.tables = (indptr.to(device), self.perm[indices.long()].to(device), last.to(device))
-        self.heads, self.dtype, self.batch = (qo_heads, kv_heads), dtype, batch
+        self.heads, self.dtype, self.batch, self.head_dim = (qo_heads, kv_heads), dtype, batch, head_dim
         self.decode = _flashkern().BatchDecodeWithPagedKVCacheWrapper(_workspace())
-        self.decode.plan(indptr, self.perm[indices.long()], last, qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE,
+        self.decode.plan(indptr, self.perm[indices.long()], last, qo_heads, kv_heads, head_dim, PAGE_SIZE,
                          q_data_type=dtype)
         self.cascade_tables = None
         if cascade is not None:
@@ -539,13 +550,13 @@ class PagedCase:
             idx = [self.perm[i.long()] for i in idx]
             self.cascade_tables = (qo, kv, idx, lasts)
             self.cascade = _flashkern().MultiLevelCascadeAttentionWrapper(2, _workspace())
-            self.cascade.plan(qo, kv, idx, lasts, qo_heads, kv_heads, HEAD_DIM, PAGE_SIZE, q_data_type=dtype)
+            self.cascade.plan(qo, kv, idx, lasts, qo_heads, kv_heads, head_dim, PAGE_SIZE, q_data_type=dtype)
 
 
-def decode_inputs(batch, shape, dtype):
+def decode_inputs(batch, shape, dtype, head_dim=HEAD_DIM):
     length, group = shape
     tables = _page_table([length] * batch)
-    return lambda seed: (PagedCase(seed, batch, tables, *_heads(group), dtype),)
+    return lambda seed: (PagedCase(seed, batch, tables, *_heads(group), dtype, head_dim=head_dim),)
 
 
 def cascade_inputs(batch, shape, dtype):
@@ -580,7 +591,7 @@ def _flashinfer_decode(case):
     import flashinfer
 
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(), "NHD")
-    wrapper.plan(*case.tables, *case.heads, HEAD_DIM, PAGE_SIZE, q_data_type=case.dtype)
+    wrapper.plan(*case.tables, *case.heads, case.head_dim, PAGE_SIZE, q_data_type=case.dtype)
     return lambda: wrapper.run(case.q, case.cache)
 
 
@@ -673,7 +684,7 @@ def prefill_shapes():
     """[(label, requests, (qo_lens, kv_lens, head_dim, causal))]: self-attention of whole prompts
     (qo = kv), a batch of mixed lengths, and appends of a few tokens to a long cached prefix."""
     if BENCH_SET == "smoke":
-        return [("tiny", 2, ((40, 7), (40, 7), 64, True))]
+        return [("tiny", 2, ((40, 7), (40, 7), 64, True)), ("tiny d=512", 2, ((20, 7), (20, 7), 512, True))]
     shapes = []
     seqs = (512, 2048, 8192, 32768) if BENCH_SET == "full" else (512, 4096, 16384)
     for d in (64, 128, 256):
@@ -682,6 +693,8 @@ def prefill_shapes():
                 batch = max(1, 16384 // n)
                 shapes.append((f"seq={n} x{batch} d={d}{' causal' if causal else ''}", batch,
                                ((n,) * batch, (n,) * batch, d, causal)))
+    for causal in (True, False):  # head_dim 512: 16-row tiles only
+        shapes.append((f"seq=4096 x4 d=512{' causal' if causal else ''}", 4, ((4096,) * 4, (4096,) * 4, 512, causal)))
     mixed = (8192, 2048, 512, 512, 128, 4096, 1024, 64)
     shapes.append(("mixed x8 d=128 causal", 8, (mixed, mixed, 128, True)))
     for qo in (1, 16, 64):

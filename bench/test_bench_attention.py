@@ -1,6 +1,6 @@
 """Attention: merge_states (the split-KV / cascade merge) beside torch, torch.compile and FlashInfer;
-paged-KV batch decode beside torch's SDPA (on the same KV, contiguous) and FlashInfer, and over an fp8
-cache beside the 16-bit one; cascade
+paged-KV batch decode beside torch's SDPA (on the same KV, contiguous) and FlashInfer, at head_dim 512 too,
+and over an fp8 cache beside the 16-bit one; cascade
 decode beside the same batch without the cascade (every request reads the shared prefix)."""
 
 import pytest
@@ -23,6 +23,16 @@ def test_batch_decode(benchmark, provider, label, batch, shape, dtype):
     length, group = shape
     bench_op(benchmark, op="batch_decode", provider=provider, shape=(batch, length, group), dtype=dtype,
              bytes_moved=cases.decode_bytes(batch, shape, dtype), make_inputs=cases.decode_inputs(batch, shape, dtype))
+
+
+@pytest.mark.benchmark(group="batch_decode_d512")
+@pytest.mark.parametrize("provider,label,batch,shape,dtype", params(cases.DECODE, cases.decode_wide_shapes()))
+def test_batch_decode_d512(benchmark, provider, label, batch, shape, dtype):
+    """head_dim 512 (GQA 16:1): the 16-row tiles with the output dims split over warps."""
+    length, group = shape
+    d = cases.WIDE_HEAD_DIM
+    bench_op(benchmark, op="batch_decode_d512", provider=provider, shape=(batch, length, group), dtype=dtype,
+             bytes_moved=cases.decode_bytes(batch, shape, dtype, d), make_inputs=cases.decode_inputs(batch, shape, dtype, d))
 
 
 @pytest.mark.benchmark(group="batch_decode_fp8")

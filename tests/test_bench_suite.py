@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import report  # noqa: E402
 OPS = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "rmsnorm_backward", "silu_and_mul", "gelu_and_mul",
-       "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states", "batch_decode", "batch_decode_fp8", "cascade",
+       "gelu_tanh_and_mul", "silu_and_mul_backward", "rope", "merge_states", "batch_decode", "batch_decode_fp8", "batch_decode_d512",
+       "cascade",
        "prefill",
        "top_k_sampling_from_probs", "top_p_sampling_from_probs", "top_k_top_p_sampling_from_probs",
        "sampling_from_probs", "min_p_sampling_from_probs", "top_k_renorm_probs", "top_p_renorm_probs",

@@ -334,6 +334,32 @@ def test_head_dim_512_plans_and_grids_have_16_row_tiles_only(device):
                                             out, lse, [1, 1, 0, 1], info["sm_scale"])
 
 
+def test_head_dim_512_kv_scores_is_refused_before_any_work(device):
+    """H2O's scoring kernels take head dims up to 256: at 512 run() refuses kv_scores before attention runs."""
+    kvs = random_kv([20], 1, 512, seed=34)
+    cache, indptr, indices, last = paged(kvs, 16, "NHD", torch.float16, device, seed=34)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device, 4))
+    wrapper.plan(indptr, indices, last, 2, 1, 512, 16, q_data_type=torch.float16)
+    q, out = rand((1, 2, 512), torch.float16, device, seed=35), poisoned((1, 2, 512), torch.float16, device)
+    with pytest.raises(ValueError, match=r"kv_scores \(H2O\): head_dim must be 64, 128 or 256, got 512"):
+        wrapper.run(q, cache, out=out, kv_scores=torch.zeros(cache.shape[0], 1, 16, device=device))
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("group", [40, 64])
+def test_head_dim_512_workspace_holds_its_items(group):
+    """At head_dim 512 a query's heads run in 16-row tiles, so a group of 40 or 64 heads touches up to 4 or 5
+    of them: the workspace that workspace_size() asks for holds the plan's items (host planning only)."""
+    batch, pages = 512, 7  # 100 tokens a request, pages of 16
+    args = (i32([b * pages for b in range(batch + 1)]), i32(list(range(batch * pages))), i32([4] * batch),
+            group, 1, 512, 16)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace("cpu", 0))
+    needed, _ = wrapper.workspace_size(*args)
+    wrapper.reset_workspace_buffer(torch.empty(needed, dtype=torch.uint8))
+    wrapper.plan(*args)
+    assert sum(wrapper._core._plan_info["counts"]) >= batch * ((group + 15) // 16)
+
+
 def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()
     wrapper, cache, _, q = planned(device)

@@ -47,16 +47,21 @@ def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
     if key not in _built:
         out = tmp_path_factory.mktemp(f"emu-{backend}")
         # hidden: the emulator's state is the library's own, however many are loaded
-        flags = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-DFK_EMULATE",
-                 f"-I{source_root / 'csrc' / 'include'}", *SANITIZER_FLAGS]
+        flags = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-DFK_EMULATE", "-Icsrc/include",
+                 *SANITIZER_FLAGS]
         if backend == "hip":
             flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
         pattern = "*.cu" if backend == "cuda" else "*.hip"
         sources = sorted((source_root / "csrc" / backend).glob(pattern)) + [source_root / "tests" / "emu" / "emu_ops.cpp"]
+        # ccache, with paths relative to source_root: the sanitizer runs and mutants of
+        # tests/test_emulator_checks.py (each its own copy of csrc/) rebuild only what their change touches
+        launcher = [ccache] if (ccache := shutil.which("ccache")) else []
+        env = {**os.environ, "CCACHE_BASEDIR": str(source_root), "CCACHE_NOHASHDIR": "1"}
 
         def compile_one(src):
             obj = out / (src.stem + ".o")
-            subprocess.run([cxx, *flags, "-x", "c++", "-c", str(src), "-o", str(obj)], check=True)
+            subprocess.run([*launcher, cxx, *flags, "-x", "c++", "-c", str(src.relative_to(source_root)), "-o", str(obj)],
+                           check=True, cwd=source_root, env=env)
             return str(obj)
 
         with ThreadPoolExecutor(2) as pool:
@@ -500,8 +505,9 @@ def test_batch_attention_kernels_layouts(emu, kv_layout, tuple_cache):
 
 def test_batch_attention_kernels_loop_over_items(attention_lib):
     """A fixed grid smaller than the plan (what a captured graph launches): blocks loop over items."""
-    for group in (2, 5, 32):
-        wrapper, q, cache, (eo, e_lse) = decode_plan([70, 1, 200, 9, 150], 16, 1, group, 64, torch.bfloat16, seed=4)
+    for group, head_dim in ((2, 64), (5, 64), (32, 64), (5, 512)):
+        wrapper, q, cache, (eo, e_lse) = decode_plan([70, 1, 200, 9, 150], 16, 1, group, head_dim, torch.bfloat16,
+                                                     seed=4)
         counts = wrapper._core._plan_info["counts"]
         assert max(counts) > 2
         check_attention(*run_attention(attention_lib, wrapper, q, cache, grid=[2 if c else 0 for c in counts] + [1]),
@@ -529,12 +535,12 @@ def test_batch_attention_kernels_page_outside_the_cache(attention_lib, bad_page)
 
 
 def test_batch_attention_kernels_each_raise_their_own_shared_memory_limit(emu):
-    """The eight multi-query kernels that need more than 48 KB of shared memory (16- and 64-row tiles at
-    head_dim 128 and 256, fp16 and bf16) each get their own opt-in: all run in one process. The emulator,
-    as a GPU, refuses a launch above 48 KB without the kernel's own cudaFuncSetAttribute."""
+    """The ten multi-query kernels that need more than 48 KB of shared memory (16- and 64-row tiles at
+    head_dim 128 and 256, the 16-row tile at 512, fp16 and bf16) each get their own opt-in: all run in one
+    process. The emulator, as a GPU, refuses a launch above 48 KB without the kernel's own cudaFuncSetAttribute."""
     for dtype in (torch.float16, torch.bfloat16):
-        for head_dim in (128, 256):
-            for group in (8, 32):  # 8 rows: the 16-row tile; 32 rows: the 64-row tile
+        for head_dim in (128, 256, 512):
+            for group in (8, 32) if head_dim < 512 else (8,):  # 8 rows: the 16-row tile; 32 rows: the 64-row tile
                 wrapper, q, cache, (eo, e_lse) = decode_plan([37, 5], 16, 1, group, head_dim, dtype, seed=9)
                 counts = wrapper._core._plan_info["counts"]
                 assert counts[1 if group == 8 else 2] > 0
@@ -1179,17 +1185,19 @@ def test_every_kernel_and_path(attention_lib):
     test_rope_kernel_in_place_on_fused_qkv(lib, False)
     test_merge_states_kernel(lib, 7, 2, 256, torch.float16, True)
     test_merge_states_kernel_in_place_with_mask(lib)
-    for group, head_dim, page_size in ((2, 128, 1), (8, 64, 16), (24, 128, 16)):  # decode, 16-row, 64-row tiles
+    # decode, 16-row, 64-row tiles, head_dim 512's dimension-split 16-row tile
+    for group, head_dim, page_size in ((2, 128, 1), (8, 64, 16), (24, 128, 16), (2, 512, 16)):
         test_batch_attention_kernels(lib, group, head_dim, page_size, torch.bfloat16)
     for group, head_dim, fp8 in ((1, 64, torch.float8_e4m3fn), (8, 64, torch.float8_e5m2), (24, 64, torch.float8_e4m3fn),
-                                 (24, 256, torch.float8_e5m2)):  # an fp8 cache: each kernel, the 16-token 64-row tile
+                                 (24, 256, torch.float8_e5m2), (2, 512, torch.float8_e4m3fn)):
+        # an fp8 cache: each kernel, the 16-token 64-row tile, head_dim 512
         check_fp8_attention(lib, False, group, head_dim, 16, torch.float16, fp8)
     test_batch_attention_kernels_loop_over_items(lib)
     test_batch_attention_kernels_page_outside_the_cache(lib, "minus_one")
     test_batch_attention_kernels_causal_queries(lib, 5, 13)
     test_batch_attention_kernels_sinks_out_dtype_and_scale(lib, 8)
-    test_cascade_kernels(lib, 5)
-    test_prefill_kernels_masks(lib, 5)
+    test_cascade_kernels(lib, 5, 128)
+    test_prefill_kernels_masks(lib, 5, 128)
     test_decode_kernel_window_and_soft_cap(lib)
     test_sampling_kernel(lib, "top_k_top_p", 1031, rows=1)  # TSan pays per GPU thread: 1024 a block
     test_renorm_kernel(lib, "top_p_probs", torch.bfloat16, 1024, rows=1)

@@ -153,6 +153,33 @@ def test_single_request_functions(device, kv_layout):
     check(out, lse, expected_batch(q, [exact], [20], True), torch.bfloat16)
 
 
+def test_flashinfer_head_dim_512_decode_case(device):
+    """FlashInfer's fp8 decode test at head_dim 512 as its callers write it (test_batch_decode_kernels.py):
+    N(0, 1) float32 values cast to e4m3 in a strided (non-contiguous) NHD cache, `data_type=` in plan(),
+    no scales, 32 q heads on 4 KV heads, pages of 8; each request against single_decode_with_kv_cache over
+    its own fp8 K and V (FlashInfer's oracle, at its 1e-3) and against float64 attention."""
+    batch, kv_len, page_size, kv_heads, qo_heads, d = 3, 97, 8, 4, 32, 512
+    pages = -(-kv_len // page_size)
+    g = torch.Generator().manual_seed(12)
+    wide = torch.randn(batch * pages, 2, 2, page_size, 2, kv_heads, 2, d, generator=g)
+    cache = wide.to(torch.float8_e4m3fn)[:, :, 1, :, 1, :, 1].to(device)  # [pages, 2, page_size, kv_heads, D]
+    assert not cache.is_contiguous()
+    q = torch.randn(batch, qo_heads, d, generator=g).half().to(device)
+    kv_indptr = i32([b * pages for b in range(batch + 1)])
+    kv_indices, last = i32(list(range(batch * pages))), i32([(kv_len - 1) % page_size + 1] * batch)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))
+    wrapper.plan(kv_indptr, kv_indices, last, qo_heads, kv_heads, d, page_size, data_type=torch.float8_e4m3fn,
+                 q_data_type=torch.float16)
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    exact = []
+    for b in range(batch):
+        k, v = (cache[b * pages : (b + 1) * pages, i].flatten(0, 1)[:kv_len] for i in (0, 1))
+        o_single = flashkern.single_decode_with_kv_cache(q[b], k, v)
+        torch.testing.assert_close(out[b], o_single, rtol=1e-3, atol=1e-3)
+        exact.append((k.double().cpu(), v.double().cpu()))
+    check(out, lse, expected_batch(q, exact, [1] * batch), torch.float16)
+
+
 def planned_decode(device, kv_dtype=torch.float8_e4m3fn, q_dtype=torch.float16):
     cache, kv_indptr, kv_indices, last = paged(random_kv([20], 2, 64), 16, "NHD", kv_dtype, device)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace(device))

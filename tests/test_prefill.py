@@ -278,6 +278,35 @@ def test_single_prefill_head_dim_512(device):
     assert_close(out, expected_batch(q, rounded(kvs, torch.float16), [21], masks=[mask])[0], torch.float16)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flashinfer_head_dim_512_paged_prefill_case(device, causal):
+    """FlashInfer's paged-prefill test at head_dim 512 as its callers write it (test_batch_prefill_kernels.py):
+    2 requests of 17 queries over 97 keys, 4 q and 4 KV heads, pages of 16, N(0, 1) values in float16; run()
+    into caller buffers equals run()'s own, and each request equals single_prefill_with_kv_cache (FlashInfer's
+    oracle, at its 1e-3) and float64 attention."""
+    batch, kv_len, qo_len, page_size, heads, d = 2, 97, 17, 16, 4, 512
+    pages = -(-kv_len // page_size)
+    g = torch.Generator().manual_seed(27)
+    q = torch.randn(batch * qo_len, heads, d, generator=g).half().to(device)
+    cache = torch.randn(batch * pages, 2, page_size, heads, d, generator=g).half().to(device)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace(device))
+    wrapper.plan(i32([b * qo_len for b in range(batch + 1)]), i32([b * pages for b in range(batch + 1)]),
+                 i32(list(range(batch * pages))), i32([(kv_len - 1) % page_size + 1] * batch), heads, heads, d,
+                 page_size, causal=causal, q_data_type=torch.float16, kv_data_type=torch.float16)
+    o, lse = wrapper.run(q, cache, return_lse=True)
+    o_buffer, lse_buffer = poisoned(o.shape, o.dtype, device), poisoned(lse.shape, lse.dtype, device)
+    wrapper.run(q, cache, out=o_buffer, lse=lse_buffer, return_lse=True)
+    torch.testing.assert_close(o_buffer, o, rtol=0, atol=0)
+    torch.testing.assert_close(lse_buffer, lse, rtol=0, atol=0)
+    kvs = []
+    for b in range(batch):
+        k, v = (cache[b * pages : (b + 1) * pages, i].flatten(0, 1)[:kv_len] for i in (0, 1))
+        o_single = single_prefill_with_kv_cache(q[b * qo_len : (b + 1) * qo_len], k, v, causal=causal)
+        torch.testing.assert_close(o[b * qo_len : (b + 1) * qo_len], o_single, rtol=1e-3, atol=1e-3)
+        kvs.append((k.double().cpu(), v.double().cpu()))
+    check(o, lse, expected_batch(q, kvs, [qo_len] * batch, causal), torch.float16)
+
+
 @pytest.mark.parametrize("window_left", [-1, 3])
 def test_single_prefill_more_queries_than_keys(device, window_left):
     """Causal, 40 queries over 12 keys: query i is token i - 28, so the first 28 see no key (0, lse -inf)."""

@@ -361,7 +361,7 @@ class PagedAttention:
             _, counts, slots, _, _ = _C.plan_attention(
                 plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,
                 1 << 40, 1 << 40, names, indexed, 0, 0)
-            return _C.workspace_bytes(slots, batch, num_qo_heads, head_dim)  # items: room for 2 per slot and query
+            return _C.workspace_bytes(slots, batch, num_qo_heads, head_dim)  # items: room per slot and query (items_per_state)
         words, counts, slots, chunk, needs_merge = _C.plan_attention(
             plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,
             item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
@@ -436,6 +436,8 @@ class PagedAttention:
         cap = info["logits_soft_cap"] if logits_soft_cap is None else soft_cap_value(op, logits_soft_cap)
         if kv_scores is not None and k.dtype in FP8_DTYPES:
             raise ValueError(f"{op}: kv_scores (H2O) reads a 16-bit cache; this one is {k.dtype}")
+        if kv_scores is not None:  # before any work: the scoring kernels stop at 256
+            check_head_dim(f"{op}: kv_scores (H2O)", info["head_dim"])
         score_tables = None if kv_scores is None else self._score_tables(op, kv_scores)
         logits = None
         if score_tables is not None and self._scores_from_logits(k, score_tables[-1]):

@@ -128,6 +128,14 @@ def _decode(device, dtype, gen):
         exact = fp8.double().cpu() * scale.double().cpu()[:, None]  # [pages, K/V, slot, kv_heads, D] x [kv_heads, 1]
         e_out, e_lse = ref.batch_decode(q.double().cpu(), exact, indptr, indices, last)
         yield f"batch_decode (group {group}, fp8 e4m3 cache)", tuple(q.shape), _flat(out, lse), _flat(e_out, e_lse)
+    # head_dim 512 (16-row tiles only), GQA 16:1 on one KV head
+    cache512, indptr512, indices512, last512, _ = _paged_cache(dtype, device, gen, [300, 5], 1, 512)
+    q = _rand((2, 16, 512), dtype, device, gen)
+    wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(indptr512, indices512, last512, 16, 1, 512, 16, q_data_type=dtype)
+    out, lse = wrapper.run(q, cache512, return_lse=True)
+    e_out, e_lse = ref.batch_decode(q.double().cpu(), cache512.double().cpu(), indptr512, indices512, last512)
+    yield "batch_decode (head_dim 512, group 16)", tuple(q.shape), _flat(out, lse), _flat(e_out, e_lse)
     k, v = cache[indices[indptr[3]:].long()].transpose(0, 1).flatten(1, 2)[:, :600]
     q1 = _rand((8, head_dim), dtype, device, gen)
     out = decode.single_decode_with_kv_cache(q1, k, v)
@@ -198,6 +206,10 @@ def _prefill(device, dtype, gen):
     single = prefill.single_prefill_with_kv_cache(q[22:], k[65:], v[65:], causal=True)
     yield "single_prefill_with_kv_cache", tuple(q[22:].shape), _flat(single), \
         _flat(_prefill_expected(q[22:], k[65:], v[65:], [40], [30], causal=True))
+    q, k, v = (_rand((n, heads, 512), dtype, device, gen) for n, heads in ((40, 16), (70, 1), (70, 1)))
+    single = prefill.single_prefill_with_kv_cache(q, k, v, causal=True)  # head_dim 512, GQA 16:1
+    yield "single_prefill_with_kv_cache (head_dim 512)", tuple(q.shape), _flat(single), \
+        _flat(_prefill_expected(q, k, v, [40], [70], causal=True))
 
 
 def _softmax(device, dtype, gen):

@@ -109,7 +109,8 @@ inline constexpr int kHeaderWords = 16;
 // Items need no room of their own beyond items_per_state() per slot and per query: an item has a
 // query that sees its chunk; if that query merges, the item holds one of its slots, which at most
 // that many items share (a query's rows straddle two 64-row tiles, or more for a GQA group of over
-// 64 heads); if not, the query has one state, in at most that many items.
+// 64 heads; 16-row tiles at head dims above kMaxWideHeadDim); if not, the query has one state, in at
+// most that many items.
 struct WorkspaceLayout {
   int64_t int_words;
   int64_t item_capacity;
@@ -120,28 +121,32 @@ struct WorkspaceLayout {
 
 FK_HOST_DEVICE int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-// The most 64-row tiles that one query's rows (one per head of its GQA group, at most qo_heads) touch.
-FK_HOST_DEVICE int64_t items_per_state(int64_t qo_heads) { return 2 + qo_heads / 64; }
+// The most row tiles that one query's rows (one per head of its GQA group, at most qo_heads) touch:
+// 64-row tiles, or 16-row ones at head dims above kMaxWideHeadDim (attention_kind).
+FK_HOST_DEVICE int64_t items_per_state(int64_t qo_heads, int64_t head_dim) {
+  return 2 + qo_heads / (head_dim > kMaxWideHeadDim ? 16 : 64);
+}
 
 // Per slot: its items, a merge index and the state.
 FK_HOST_DEVICE int64_t workspace_slot_bytes(int64_t qo_heads, int64_t head_dim) {
-  return 4 * (items_per_state(qo_heads) * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
+  return 4 * (items_per_state(qo_heads, head_dim) * kItemWords + 1) + 4 * qo_heads * (head_dim + 1);
 }
 // Per query: its items, the merge_indptr entry and a merge index; plus the header and alignment.
-FK_HOST_DEVICE int64_t workspace_fixed_bytes(int64_t batch, int64_t qo_heads) {
-  return 4 * (kHeaderWords + 1 + batch * (items_per_state(qo_heads) * kItemWords + 2)) + 3 * 256;
+FK_HOST_DEVICE int64_t workspace_fixed_bytes(int64_t batch, int64_t qo_heads, int64_t head_dim) {
+  return 4 * (kHeaderWords + 1 + batch * (items_per_state(qo_heads, head_dim) * kItemWords + 2)) + 3 * 256;
 }
 
 // The bytes a workspace needs for `slots` partial states (the inverse of workspace_layout).
 FK_HOST_DEVICE int64_t workspace_bytes(int64_t slots, int64_t batch, int64_t qo_heads, int64_t head_dim) {
-  return workspace_fixed_bytes(batch, qo_heads) + slots * workspace_slot_bytes(qo_heads, head_dim);
+  return workspace_fixed_bytes(batch, qo_heads, head_dim) + slots * workspace_slot_bytes(qo_heads, head_dim);
 }
 
 FK_HOST_DEVICE WorkspaceLayout workspace_layout(int64_t bytes, int64_t batch, int64_t qo_heads, int64_t head_dim) {
-  const int64_t per_slot = workspace_slot_bytes(qo_heads, head_dim), fixed = workspace_fixed_bytes(batch, qo_heads);
+  const int64_t per_slot = workspace_slot_bytes(qo_heads, head_dim);
+  const int64_t fixed = workspace_fixed_bytes(batch, qo_heads, head_dim);
   WorkspaceLayout w{};
   w.slot_capacity = bytes >= fixed ? (bytes - fixed) / per_slot : 0;
-  w.item_capacity = bytes >= fixed ? items_per_state(qo_heads) * (w.slot_capacity + batch) : 0;
+  w.item_capacity = bytes >= fixed ? items_per_state(qo_heads, head_dim) * (w.slot_capacity + batch) : 0;
   w.int_words = kHeaderWords + kItemWords * w.item_capacity + batch + 1 + w.slot_capacity + batch;
   w.partial_s_offset = align_up(4 * w.int_words, 256);
   w.partial_v_offset = align_up(w.partial_s_offset + 4 * w.slot_capacity * qo_heads, 256);

@@ -102,7 +102,7 @@ template <int kWarp, typename T, int D, bool kFp8>
 const char* run_attention_kernels(const BatchAttentionParams& p, gpuStream_t stream) {
   const char* error = nullptr;
   if constexpr (D > kMaxWideHeadDim) {  // the planner gives wider heads 16-row tiles only (attention_work.h)
-    if (p.grid[0] > 0 || p.grid[2] > 0) return "batch_attention: head_dim 512 runs 16-row tiles only";
+    if (p.grid[0] > 0 || p.grid[2] > 0) return "batch_attention: head dims above 256 run 16-row tiles only";
   } else if (p.grid[0] > 0) {
     error = with_decode_group(p.qo_heads / p.kv_heads, [&](auto g) {
       constexpr int G = decltype(g)::value;

@@ -27,6 +27,7 @@ struct TileShape {
   static constexpr int kWarpRows = fk::kWarpRows<kWarp>;
   static constexpr int kOutDims = kHeadDim > kMaxWideHeadDim ? 128 : kHeadDim;  // a warp's output dimensions
   static constexpr int kWarpsD = kHeadDim / kOutDims;                    // warps splitting the output dims
+  static_assert(kHeadDim % kOutDims == 0, "whole 128-dimension slices");
   static constexpr int kWarpsM = kItemRows / kWarpRows;                  // warps along the rows
   static constexpr int kWarpsN = kWide || kWarpsD > 1 ? 1 : (kHeadDim == 256 ? 2 : 4);  // warps splitting a KV tile
   static constexpr int kWarpTokens = kWide ? (kHeadDim < 256 ? 64 : kAsyncCopy && !kFp8 ? 32 : 16) : 16;
@@ -60,7 +61,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
   T* kv = q_tile + S::kQElems;  // stage s: K at s * kStageElems, V kTileN rows further
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int wm = warp % S::kWarpsM, wn = warp / S::kWarpsM % S::kWarpsN, kv_head = blockIdx.y;
-  const int wd = warp / (S::kWarpsM * S::kWarpsN);  // which kOutDims of the output
+  const int wd = S::kWarpsD > 1 ? warp / (S::kWarpsM * S::kWarpsN) : 0;  // which kOutDims (0: a constant dim0)
   const int group = p.qo_heads / p.kv_heads;
   const LogitMap logit(p, kv_head);
   const int count = plan_header(p).count[int(kKind)];
@@ -207,13 +208,15 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
 }
 
 // Blocks per SM: 2 for 64-row tiles (their registers and shared memory allow no more), 3 for the
-// 16-row tiles of decode with large GQA groups, which have less arithmetic to hide loads behind.
-template <int kItemRows>
-inline constexpr int kTileBlocksPerSM = kItemRows == 64 ? 2 : 3;
+// 16-row tiles of decode with large GQA groups, which have less arithmetic to hide loads behind; 2
+// for head_dim 512's 16-row tiles, whose 80-96 KB of shared memory fit no more on sm_80/sm_90.
+template <int kHeadDim, int kItemRows>
+inline constexpr int kTileBlocksPerSM = kItemRows == 64 || kHeadDim > kMaxWideHeadDim ? 2 : 3;
 
 // kFp8: an fp8 cache (its own instantiation: the 16-bit kernel keeps its registers)
 template <typename T, int kHeadDim, int kItemRows, int kWarp, bool kFp8>
-__global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp, kFp8>::kThreads), kTileBlocksPerSM<kItemRows>)
+__global__ void FK_LAUNCH_BOUNDS((TileShape<kHeadDim, kItemRows, kWarp, kFp8>::kThreads),
+                                 (kTileBlocksPerSM<kHeadDim, kItemRows>))
     multi_query_attention_kernel(BatchAttentionParams p) {
   pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
