@@ -62,6 +62,8 @@ def pytest_collection_modifyitems(config, items):
         if k % WAVE64_SAMPLE:
             item.add_marker(pytest.mark.skip(reason=f"emulate-wave64: one case in {WAVE64_SAMPLE} of this file's grid "
                                                     "(CI time; FLASHKERN_TEST_WAVE64_SAMPLE=1 runs all)"))
+    # the emulator checks last: they wait for their background runs, which the rest of the suite overlaps
+    items.sort(key=lambda item: item.path.name == "test_emulator_checks.py")
 
 
 def pytest_generate_tests(metafunc):
