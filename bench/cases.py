@@ -606,8 +606,21 @@ def _flashinfer_cascade(case):
     return lambda: wrapper.run(case.q, case.cache)
 
 
+# Batch-invariant plans (flashkern.invariance: fixed 1024-token chunks, tiles chosen per request) beside the
+# default ones (goal on an H200: within 10 % at batch >= 16)
+INVARIANT = "flashkern (batch-invariant)"
+
+
+def _invariant_decode(case):
+    wrapper = _flashkern().BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    wrapper.plan(*(t.cpu() for t in case.tables), *case.heads, case.head_dim, PAGE_SIZE, q_data_type=case.dtype,
+                 batch_invariant=True)
+    return lambda: wrapper.run(case.q, case.cache)
+
+
 DECODE = [
     Provider("flashkern", lambda case: (lambda: case.decode.run(case.q, case.cache)), requires="flashkern"),
+    Provider(INVARIANT, _invariant_decode, requires="flashkern"),
     Provider(PDL, lambda case: (lambda: case.decode.run(case.q, case.cache, enable_pdl=True)), "flashkern", True),
     Provider("torch", _sdpa),
     Provider("flashinfer", _flashinfer_decode, "flashinfer", True),
@@ -775,8 +788,16 @@ def _flashinfer_prefill(case):
     return lambda: wrapper.run(case.q, case.k, case.v)
 
 
+def _invariant_prefill(case):
+    _, _, d, causal = case.shape
+    wrapper = _flashkern().BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+    wrapper.plan(*case.indptr, *PREFILL_HEADS, d, causal=causal, q_data_type=case.dtype, batch_invariant=True)
+    return lambda: wrapper.run(case.q, case.k, case.v)
+
+
 PREFILL = [
     Provider("flashkern", lambda case: (lambda: case.wrapper.run(case.q, case.k, case.v)), requires="flashkern"),
+    Provider(INVARIANT, _invariant_prefill, requires="flashkern"),
     Provider("torch", _sdpa_prefill),
     Provider("flashinfer", _flashinfer_prefill, "flashinfer", True),
 ]

@@ -90,7 +90,8 @@ def test_check_covers_every_family():
     check_module = importlib.import_module("flashkern.check")
     assert {r["family"] for r in rows} == set(check_module.FAMILIES)
     assert {"norms", "activations", "rope", "merge", "decode", "prefill", "cascade", "softmax", "renorm", "sampling",
-            "speculative", "optimizer", "prefix cache", "kv compression", "page", "tensor parallel"} <= set(check_module.FAMILIES)
+            "speculative", "optimizer", "prefix cache", "kv compression", "page", "tensor parallel",
+            "batch invariance"} <= set(check_module.FAMILIES)
     assert all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
 
 

@@ -86,7 +86,8 @@ def declare(lib):
         "emu_batch_attention": [P, P, P, I64, P, P, I64, L, P, ctypes.POINTER(ctypes.c_int32), I, P, P, P,
                                 ctypes.POINTER(ctypes.c_int), I, I, I, I, I, F, I, P, F, I, P, L, F, P, L],
         "emu_launch_probe": [I, I, I, I],
-        "emu_sampling": [P, P, P, L, L, P, L, I, L, F, F, L],
+        "emu_plan_attention": [I64, I, I64, P, L, I64],
+        "emu_sampling": [P, P, P, L, L, P, L, I, L, F, F, L, P],
         "emu_renorm": [P, P, L, L, I, I, L, F],
         "emu_softmax": [P, P, L, L, L, I, P, F, P],
         "emu_speculative": [P, P, P, P, P, I, P, P, P, L, I, L, I, I, L],
@@ -733,7 +734,7 @@ def test_sampling_kernel(attention_lib, filter, vocab, rows=3):
     top_k, top_p, min_p = 6, 0.6, 0.2
     ok(lib.emu_sampling(ptr(out), ptr(valid), ptr(probs), ctypes.c_int64(rows), ctypes.c_int64(vocab), ptr(indices),
                         ctypes.c_int64(indices.shape[0]), FILTER[filter], ctypes.c_int64(top_k), ctypes.c_float(top_p),
-                        ctypes.c_float(min_p), ctypes.c_int64(11)))
+                        ctypes.c_float(min_p), ctypes.c_int64(11), None))
     n = indices.shape[0]
     keep = ref.sampling.kept(probs[indices.long()],
                              top_k=torch.full((n,), top_k) if "top_k" in filter else None,
@@ -1390,3 +1391,96 @@ def test_allreduce_kernels_flag_protocol(emu):
 def test_allreduce_kernels_flag_protocol_hip(emu_wave64, emu_wave32):
     for lib in (emu_wave64, emu_wave32):
         many_calls(lib, 40, 3, True, seed=13, delays=[100_000, 0, 0])
+
+
+# ---------------------------------------------------------------- batch invariance (flashkern.invariance)
+# tests/test_batch_invariance.py's batches run through the kernels, planned by the library's own planner
+# (attention_plan.h as built, so that a mutant of it fails here: tests/test_emulator_checks.py).
+
+
+def emu_planner(lib):
+    """_C.plan_attention over the emulated library's planner (tests/emu/emu_ops.cpp: emu_plan_attention)."""
+
+    def plan_attention(levels, batch, page_size, group, kv_heads, head_dim, cta_budget, min_chunk, item_capacity,
+                       slot_capacity, names, indexed, out, out_words, invariant):
+        flat = (ctypes.c_int64 * (9 * len(levels)))(*[int(x) for level in levels for x in level])
+        shape = i64s(batch, page_size, group, kv_heads, head_dim, cta_budget, min_chunk, item_capacity, slot_capacity,
+                     int(invariant))
+        result = (ctypes.c_int64 * 7)()
+        error = lib.emu_plan_attention(flat, len(levels), shape, out or None, out_words, result)
+        if error:
+            raise ValueError(error.decode())
+        return result[0], tuple(result[1:4]), result[4], result[5], bool(result[6])
+
+    return plan_attention
+
+
+@pytest.fixture
+def emu_plans(attention_lib, monkeypatch):
+    """attention_lib, the wrappers planning with its planner."""
+    monkeypatch.setattr(flashkern_C(), "plan_attention", emu_planner(attention_lib))
+    return attention_lib
+
+
+# decode: the decode kernel and the 16-row tile; prefill: 64-row tiles, mixed; head_dim 512's dimension split
+@pytest.mark.parametrize("path,group,head_dim", [("decode", 1, 64), ("decode", 8, 128), ("paged", 4, 64),
+                                                 ("ragged", 2, 64), ("ragged", 4, 512)])
+def test_attention_kernels_are_batch_invariant(emu_plans, path, group, head_dim):
+    from test_batch_invariance import assert_same_bits, attention_batches
+
+    def execute(wrapper, q, kv):
+        return run_attention(emu_plans, wrapper, q, kv)
+
+    wide = head_dim > 256  # 16-row tiles at 4x the work of 64-row ones: fewer, shorter requests
+    assert_same_bits(attention_batches(path, group, head_dim, execute, others=(1, 6) if wide else (1, 24), seed=group,
+                                       max_kv=50 if wide else 100, splits=[dict(), dict(fixed_split_size=4)]))
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_cascade_kernels_are_batch_invariant(emu_plans, group):
+    from test_batch_invariance import test_cascade_is_batch_invariant as check
+
+    check(group, execute=lambda wrapper, q, cache: run_attention(emu_plans, wrapper, q, cache))
+
+
+@pytest.mark.parametrize("backend", ["emu", "emu_wave64"])  # wave32's row kernels index as CUDA's 32 lanes do
+@pytest.mark.parametrize("cols", [7, 8200])  # a partial vector; a row streamed twice
+def test_row_kernels_are_batch_invariant(request, backend, cols):
+    """RMSNorm (plain and fused), SwiGLU and RoPE: a row alone and among 1 to 64 others (other grids and
+    blocks of rows); sampling with a seed per row."""
+    from test_batch_invariance import random_rows, rows_alone_and_in_batches
+
+    lib, dtype, eps, no_offset = request.getfixturevalue(backend), torch.bfloat16, ctypes.c_float(1e-6), ctypes.c_float(0.0)
+    w = rand((cols,), dtype, "cpu", seed=3)
+
+    def norms(x, res):
+        out, x, res = nan_like(x), x.clone(), res.clone()
+        n = x.shape[0]
+        ok(lib.emu_rmsnorm(ptr(out), ptr(x), None, ptr(w), n, cols, layout(out), layout(x), layout(x), DTYPE[dtype],
+                           DTYPE[dtype], eps, no_offset))
+        ok(lib.emu_rmsnorm(ptr(x), ptr(x), ptr(res), ptr(w), n, cols, layout(x), layout(x), layout(res),
+                           DTYPE[dtype], DTYPE[dtype], eps, no_offset))
+        return out, x, res
+
+    def swiglu(x):
+        out = nan_like(x[:, :cols].contiguous())
+        ok(lib.emu_act_mul(ptr(out), ptr(x[:, :cols]), ptr(x[:, cols:]), x.shape[0], cols,
+                           i64s(cols, 2 * cols, 2 * cols), DTYPE[dtype], ACT["silu"]))
+        return out
+
+    rows_alone_and_in_batches(norms, random_rows(cols, dtype, 2))
+    rows_alone_and_in_batches(swiglu, random_rows(2 * cols, dtype))
+    inv_freq = theta_inv_freq(128, 5e5)
+    rows_alone_and_in_batches(
+        lambda q, k, pos: rope_call(lib, q, k, pos[:, 0], inv_freq, interleave=cols == 7),
+        lambda n, g: (torch.randn(n, 8, 128, generator=g).to(dtype), torch.randn(n, 2, 128, generator=g).to(dtype),
+                      torch.randint(0, 1 << 16, (n, 1), generator=g, dtype=torch.int32)))
+
+    def sample(probs, seeds):
+        out, valid = torch.full((probs.shape[0],), -7, dtype=torch.int32), torch.zeros(probs.shape[0], dtype=torch.bool)
+        ok(lib.emu_sampling(ptr(out), ptr(valid), ptr(probs), probs.shape[0], probs.shape[1], None, probs.shape[0],
+                            FILTER["top_k_top_p"], 50, ctypes.c_float(0.9), no_offset, 0, ptr(seeds)))
+        return out
+
+    rows_alone_and_in_batches(sample, lambda n, g: (torch.softmax(torch.randn(n, cols + 1000, generator=g) * 3, 1),
+                                                    torch.randint(0, 1 << 62, (n,), generator=g)))

@@ -183,8 +183,9 @@ FLASHINFER = {
 }
 
 # flashkern's public names that FlashInfer does not have (so not in the table).
-FLASHKERN_ONLY = {"act_mul", "check", "clip_grad_norm_", "cos_sin_cache", "get_backend", "info", "ref", "rope_frequencies",
-                  "rope_frequencies_from_config", "set_backend"}
+FLASHKERN_ONLY = {"act_mul", "batch_invariant", "check", "clip_grad_norm_", "cos_sin_cache", "get_backend", "info",
+                  "is_batch_invariant", "ref", "rope_frequencies", "rope_frequencies_from_config", "set_backend",
+                  "set_batch_invariant"}
 
 P = inspect.Parameter
 ACCEPTS_NAME = (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)

@@ -24,27 +24,29 @@
 TORCH_LIBRARY(flashkern, m) { flashkern::define_schemas(m); }
 
 // _C.plan_attention(levels, batch, page_size, group_size, kv_heads, head_dim, cta_budget, min_chunk,
-//                   item_capacity, slot_capacity, names, indexed, out, out_words)
+//                   item_capacity, slot_capacity, names, indexed, out, out_words, invariant)
 //   -> (words, (count per kind), slots, chunk, needs_merge), or ValueError naming the bad argument.
 // levels: [(qo_indptr, kv_indptr, kv_last_page_len, groups, num_indices, causal, window_left, custom_mask,
 // identity)] with the data
 // pointers of contiguous int32 CPU tensors (qo_indptr 0: one query per group); names: the caller's names
 // of (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) for messages, indexed: name[level]; out:
-// an int32 CPU buffer of out_words words that receives the plan (attention_plan.h).
+// an int32 CPU buffer of out_words words that receives the plan (attention_plan.h); invariant: a
+// batch-invariant plan (PlanShape::invariant).
 static PyObject* plan_attention(PyObject*, PyObject* args) {
   PyObject* level_list = nullptr;
   fk::PlanShape shape{};
   const char* names[4] = {};
-  int indexed = 0;
+  int indexed = 0, invariant = 0;
   unsigned long long out_ptr = 0;
   long long out_words = 0;
-  if (!PyArg_ParseTuple(args, "OLLLLLLLLL(ssss)pKL", &level_list, &shape.batch, &shape.page_size, &shape.group_size,
+  if (!PyArg_ParseTuple(args, "OLLLLLLLLL(ssss)pKLp", &level_list, &shape.batch, &shape.page_size, &shape.group_size,
                         &shape.kv_heads, &shape.head_dim, &shape.cta_budget, &shape.min_chunk, &shape.item_capacity,
                         &shape.slot_capacity, &names[0], &names[1], &names[2], &names[3], &indexed, &out_ptr,
-                        &out_words))
+                        &out_words, &invariant))
     return nullptr;
   for (int i = 0; i < 4; ++i) shape.names[i] = names[i];
   shape.indexed = indexed != 0;
+  shape.invariant = invariant != 0;
   PyObject* seq = PySequence_Fast(level_list, "levels must be a sequence");
   if (seq == nullptr) return nullptr;
   std::vector<fk::PlanLevel> levels;

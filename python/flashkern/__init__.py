@@ -15,6 +15,7 @@ from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_ca
 from .activation import act_mul, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .check import check
 from .info import info
+from .invariance import batch_invariant, is_batch_invariant, set_batch_invariant
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
 from . import page  # noqa: E402  (flashkern.page: appending to a paged KV cache)
 from .page import append_paged_kv_cache, get_batch_indices_positions
@@ -76,6 +77,7 @@ __all__ = [
     "apply_rope_pos_ids_inplace",
     "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
+    "batch_invariant",
     "chain_speculative_sampling",
     "check",
     "clip_grad_norm_",
@@ -88,6 +90,7 @@ __all__ = [
     "get_backend",
     "get_batch_indices_positions",
     "info",
+    "is_batch_invariant",
     "merge_state",
     "merge_state_in_place",
     "merge_states",
@@ -99,6 +102,7 @@ __all__ = [
     "sampling_from_logits",
     "sampling_from_probs",
     "set_backend",
+    "set_batch_invariant",
     "silu_and_mul",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",

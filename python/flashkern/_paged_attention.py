@@ -15,6 +15,7 @@ import math
 import torch
 
 from . import _C, _backend, ref
+from .invariance import INVARIANT_CHUNK
 from ._validate import (
     ATTENTION_DTYPES,
     ATTENTION_HEAD_DIMS,
@@ -76,15 +77,16 @@ def host_indptr(op, name, indptr):
     return host_int32(op, name, indptr), indptr.shape[0] - 1
 
 
-def split_length(op, fixed_split_size, disable_split_kv, page_size):
-    """FlashInfer's split options as the planner's chunk length: None (the device's choice),
-    MAX_KV_LENGTH (disable_split_kv: no split) or fixed_split_size pages' tokens."""
+def split_length(op, fixed_split_size, disable_split_kv, page_size, batch_invariant=False):
+    """FlashInfer's split options as the planner's chunk length: None (the device's choice; in a
+    batch-invariant plan INVARIANT_CHUNK tokens), MAX_KV_LENGTH (disable_split_kv: no split) or
+    fixed_split_size pages' tokens."""
     if disable_split_kv not in (False, True):
         raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
     if disable_split_kv:
         return MAX_KV_LENGTH
     if fixed_split_size is None:
-        return None
+        return INVARIANT_CHUNK if batch_invariant else None
     check_positive_int(op, "fixed_split_size", fixed_split_size, " (pages)")
     return min(fixed_split_size * page_size, MAX_KV_LENGTH)
 
@@ -306,7 +308,7 @@ class PagedAttention:
     def _plan(self, op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
               q_dtype, kv_dtype, names, indexed, possible_kinds, split_tokens=None, o_dtype=None, causal=False,
               window_left=-1, logits_soft_cap=None, custom_mask=None, identity=False, dry_run=False,
-              graph_tables=None):
+              graph_tables=None, batch_invariant=False):
         """levels: [(qo_indptr or None, kv_indptr, kv_indices, kv_last_page_len)] as CPU int32 tensors,
         shape-checked; device_indices: each level's kv_indices where the kernels will read them;
         batch: the number of queries. The last level's groups may be causal (each group's queries
@@ -315,7 +317,8 @@ class PagedAttention:
         the caller); identity: its kv_indices is the identity (ragged KV, a page per token; not
         read). Checks the rest, plans, and writes the plan into the workspace; dry_run: returns
         the workspace bytes the plan needs (at its preferred split) instead. graph_tables: under CUDA graphs,
-        the fixed buffers the plan filled, (qo_indptr or None, kv_indptr, kv_last_page_len), for kv_scores."""
+        the fixed buffers the plan filled, (qo_indptr or None, kv_indptr, kv_last_page_len), for kv_scores.
+        batch_invariant: a batch-invariant plan (flashkern.invariance; split_tokens is its chunk)."""
         check_head_dim(op, head_dim, ATTENTION_HEAD_DIMS)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive_int(op, name, value)
@@ -355,16 +358,18 @@ class PagedAttention:
             for i, (qo, kv, indices, last) in enumerate(levels)
         ]
         # split_tokens: a fixed chunk length (one block of work per that many tokens, however many
-        # blocks the device has), or MAX_KV_LENGTH for no split at all
-        budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else (1 << 40, split_tokens)
+        # blocks the device has), or MAX_KV_LENGTH for no split at all; a batch-invariant plan is given
+        # the device's budget too, which its planner must not use
+        budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else \
+            (self._cta_budget if batch_invariant else 1 << 40, split_tokens)
         if dry_run:  # room for every item and state: the split the device asks for, never grown to fit
             _, counts, slots, _, _ = _C.plan_attention(
                 plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,
-                1 << 40, 1 << 40, names, indexed, 0, 0)
+                1 << 40, 1 << 40, names, indexed, 0, 0, batch_invariant)
             return _C.workspace_bytes(slots, batch, num_qo_heads, head_dim)  # items: room per slot and query (items_per_state)
         words, counts, slots, chunk, needs_merge = _C.plan_attention(
             plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,
-            item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words)
+            item_capacity, slot_capacity, names, indexed, payload.data_ptr(), int_words, batch_invariant)
         self._workspace[: 4 * words].view(torch.int32).copy_(payload[:words], non_blocking=True)
         self._plan_number = _WORKSPACE_PLANS[self._workspace_key] = next(_plan_numbers)
         if self._use_cuda_graph:  # the captured launch must not depend on the plan
@@ -382,6 +387,7 @@ class PagedAttention:
             "score_tables": (levels[0], device_indices[0], graph_tables)
             if len(levels) == 1 and not identity and custom_mask is None else None,
             "kv_indices": list(device_indices), "counts": counts, "slots": slots, "chunk": chunk, "words": words,
+            "batch_invariant": batch_invariant,
         }
 
     def check_window(self, op, window_left):

@@ -6,6 +6,8 @@ with each request's own KV through the attention states (natural-log LSE). Flash
 
 import torch
 
+from . import invariance
+from .invariance import INVARIANT_CHUNK
 from ._paged_attention import (
     ALL_KINDS,
     PagedAttention,
@@ -68,13 +70,16 @@ class MultiLevelCascadeAttentionWrapper:
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim, page_size, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,
-             rope_theta=None, q_data_type="float16", kv_data_type=None):
+             rope_theta=None, q_data_type="float16", kv_data_type=None, *, batch_invariant=None):
         """Plan the cascade (see the class docstring); every page table is checked here, on the host.
         ``logits_soft_cap`` (Gemma2) applies to every level. ``window_left`` must stay -1: a sliding
         window over a shared level would start at a different token for each request sharing it
         (ValueError rather than a window relative to each level, which is what FlashInfer's per-level
-        prefill computes)."""
+        prefill computes). ``batch_invariant`` (flashkern's): a batch-invariant plan (flashkern.invariance;
+        None: the process-wide setting): every level split in INVARIANT_CHUNK tokens, the shared levels on
+        one fixed tile, so a request's bits depend on its own levels, not on who shares them."""
         op = "MultiLevelCascadeAttentionWrapper.plan"
+        invariant = invariance.resolve(op, batch_invariant)
         if causal not in (False, True):
             raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, window_left=window_left, rope_scale=rope_scale,
@@ -105,7 +110,8 @@ class MultiLevelCascadeAttentionWrapper:
             device_indices.append(self._device_indices(op, i, paged_kv_indices_arr[i], arrays, requests))
         batch = int(levels[-1][0][-1]) if requests >= 0 else 0  # the query tokens (the planner checks the rest)
         self._core._plan(op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-                         q_dtype, kv_dtype, names, True, ALL_KINDS, causal=causal, logits_soft_cap=logits_soft_cap)
+                         q_dtype, kv_dtype, names, True, ALL_KINDS, INVARIANT_CHUNK if invariant else None, causal=causal,
+                         logits_soft_cap=logits_soft_cap, batch_invariant=invariant)
 
     begin_forward = plan
 

@@ -7,7 +7,8 @@ import functools
 
 import torch
 
-from . import _C
+from . import _C, invariance
+from .invariance import INVARIANT_CHUNK
 from ._paged_attention import (
     PagedAttention,
     attention_dtype,
@@ -81,7 +82,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
-             q_len_per_req=1, *, window_right=0):
+             q_len_per_req=1, *, window_right=0, batch_invariant=None):
         """Plan decode for a batch of ``len(indptr) - 1`` requests (see the class docstring).
         All host work happens here; a bad page table raises ValueError or TypeError now, not in run().
         FlashInfer's parameters, in its order:
@@ -101,28 +102,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
           ``fixed_split_size`` splits every request into chunks of that many pages (rounded up to 64
           tokens; longer if the workspace cannot hold the pieces) whatever the device, so results do
           not depend on the batch.
+        - ``batch_invariant`` (flashkern's): a batch-invariant plan (flashkern.invariance): True, False,
+          or None for the process-wide ``flashkern.set_batch_invariant`` setting.
         - ``window_right`` != 0 is not supported (ValueError), nor are the options rejected in
           ``reject_unsupported`` at other than their defaults."""
         reject_unsupported("BatchDecodeWithPagedKVCacheWrapper.plan", window_right=window_right)
         self._plan_from_args("BatchDecodeWithPagedKVCacheWrapper.plan", indptr, indices, last_page_len, num_qo_heads,
                              num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                              q_data_type, kv_data_type, o_data_type, data_type, sm_scale, rope_scale, rope_theta,
-                             block_tables, seq_lens, fixed_split_size, disable_split_kv, q_len_per_req)
+                             block_tables, seq_lens, fixed_split_size, disable_split_kv, q_len_per_req,
+                             batch_invariant=batch_invariant)
 
     def _plan_from_args(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                         pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
                         data_type, sm_scale, rope_scale, rope_theta, block_tables, seq_lens, fixed_split_size,
-                        disable_split_kv, q_len_per_req, dry_run=False):
+                        disable_split_kv, q_len_per_req, dry_run=False, batch_invariant=None):
         """plan() and workspace_size(): FlashInfer's arguments to the planner's."""
         check_positive_int(op, "page_size", page_size)
         check_positive_int(op, "q_len_per_req", q_len_per_req)
-        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size)
+        invariant = invariance.resolve(op, batch_invariant)
+        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size, invariant)
         if block_tables is not None or seq_lens is not None:
             indptr, indices, last_page_len = csr_page_table(op, indptr, indices, last_page_len, block_tables,
                                                             seq_lens, page_size)
         return self._plan(op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                           pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type,
-                          sm_scale, rope_scale, rope_theta, o_data_type, split_tokens, q_len_per_req, dry_run)
+                          sm_scale, rope_scale, rope_theta, o_data_type, split_tokens, q_len_per_req, dry_run, invariant)
 
     begin_forward = plan
 
@@ -130,7 +135,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                        pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
                        kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
                        rope_theta=None, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
-                       q_len_per_req=1):
+                       q_len_per_req=1, batch_invariant=None):
         """(float_workspace_size, int_workspace_size) in bytes: the workspace plan() needs for this batch
         to split it as the device asks (a smaller one still works, with longer chunks; a workspace
         too small for even one chunk a request is a ValueError in plan()). flashkern has one workspace,
@@ -139,12 +144,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                     last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                                     pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type,
                                     o_data_type, data_type, sm_scale, rope_scale, rope_theta, block_tables, seq_lens,
-                                    fixed_split_size, disable_split_kv, q_len_per_req, dry_run=True), 0
+                                    fixed_split_size, disable_split_kv, q_len_per_req, dry_run=True,
+                                    batch_invariant=batch_invariant), 0
 
     def _plan(self, op, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
               pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None,
               data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, o_data_type=None, split_tokens=None,
-              q_len_per_req=1, dry_run=False):
+              q_len_per_req=1, dry_run=False, batch_invariant=False):
         """plan(), its errors under the name of the function the caller called."""
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
         if data_type is not None:
@@ -178,7 +184,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    {_C.attention_kind(q_len_per_req, num_qo_heads // max(num_kv_heads, 1), head_dim)},
                                    split_tokens, o_dtype, causal=q_len_per_req > 1, window_left=window_left,
                                    logits_soft_cap=logits_soft_cap, dry_run=dry_run,
-                                   graph_tables=(None, self._buffers[0], self._buffers[2]))
+                                   graph_tables=(None, self._buffers[0], self._buffers[2]),
+                                   batch_invariant=batch_invariant)
         if dry_run:
             return planned
         self._q_len_per_req, self._batch = q_len_per_req, batch
@@ -288,7 +295,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
         raise TypeError(f"{op}: q must be float16 or bfloat16, got {q.dtype}")
     check_window_left(op, window_left)
     wrapper = _single_plan(q.device, q.dtype, k.dtype, kv_len, q.shape[0], num_kv_heads, head_dim,
-                           None if sm_scale is None else float(sm_scale), window_left)
+                           None if sm_scale is None else float(sm_scale), window_left, invariance.is_batch_invariant())
     # the whole sequence as one page of kv_len tokens
     out, lse = wrapper._core._run(op, q[None], (k[None], v[None]), None, None, sinks, q_scale, k_scale, v_scale,
                                   logits_soft_cap=logits_soft_cap)
@@ -296,14 +303,17 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
 
 
 @functools.lru_cache(maxsize=32)
-def _single_plan(device, dtype, kv_dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left):
-    """A planned wrapper for one request of kv_len tokens, with room to split it over every block
-    the device runs at once."""
-    slots = PagedAttention.cta_budget(device) + 1
-    workspace = torch.empty(_C.workspace_bytes(slots, 1, num_qo_heads, head_dim), dtype=torch.uint8, device=device)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+def _single_plan(device, dtype, kv_dtype, kv_len, num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left,
+                 batch_invariant):
+    """A planned wrapper for one request of kv_len tokens (one page), with a workspace sized by a dry
+    run of its plan."""
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device), "NHD")
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
-    wrapper._plan("single_decode_with_kv_cache", i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads,
-                  head_dim, kv_len, q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=sm_scale,
-                  window_left=window_left)
+    args = ("single_decode_with_kv_cache", i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads,
+            head_dim, kv_len)
+    options = dict(q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, window_left=window_left,
+                   split_tokens=INVARIANT_CHUNK if batch_invariant else None, batch_invariant=batch_invariant)
+    wrapper.reset_workspace_buffer(torch.empty(wrapper._plan(*args, **options, dry_run=True), dtype=torch.uint8,
+                                               device=device))
+    wrapper._plan(*args, **options)
     return wrapper

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from . import ref
+from . import invariance, ref
 from ._paged_attention import (
     ALL_KINDS,
     PagedAttention,
@@ -124,7 +124,7 @@ class _Prefill:
                       num_kv_heads, head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal,
                       pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale,
                       rope_theta, q_data_type, kv_data_type, o_data_type, fixed_split_size, disable_split_kv,
-                      identity, device_indices, dry_run=False):
+                      identity, device_indices, dry_run=False, batch_invariant=None):
         """qo_indptr, kv_indptr, indices, last_page_len: host int32 (shape-checked); lengths: each
         request's KV tokens (int64); device_indices: where the kernels read the page table."""
         reject_unsupported(op, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
@@ -134,7 +134,8 @@ class _Prefill:
             raise TypeError(f"{op}: use_fp16_qk_reduction must be a bool, got {use_fp16_qk_reduction!r}")
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"{op}: head_dim_vo must equal head_dim_qk ({head_dim_qk}) in flashkern, got {head_dim_vo}")
-        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size)
+        invariant = invariance.resolve(op, batch_invariant)
+        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size, invariant)
         q_dtype = attention_dtype(op, "q_data_type", q_data_type)
         if q_dtype is None:
             raise TypeError(f"{op}: q_data_type must be torch.float16 or torch.bfloat16, got None")
@@ -154,7 +155,8 @@ class _Prefill:
                                    q_dtype, kv_dtype, names, False, ALL_KINDS, split_tokens, o_dtype, causal=causal,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap, custom_mask=mask,
                                    identity=identity, dry_run=dry_run,
-                                   graph_tables=tuple(self._buffers.get(name) for name in GRAPH_TABLES))
+                                   graph_tables=tuple(self._buffers.get(name) for name in GRAPH_TABLES),
+                                   batch_invariant=invariant)
         if dry_run:
             return planned
         self._causal = causal
@@ -223,13 +225,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
              o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
              token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False):
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False, *,
+             batch_invariant=None):
         """Plan the batch; every check happens here, on the host (pass CPU tensors: device ones cost
         a synchronization). ``custom_mask`` (bool ``[sum(qo_len * kv_len)]``, row-major per request)
         or ``packed_custom_mask`` (its FlashInfer packed form) replaces ``causal``. The
         ``prefix_len_ptr`` / ``token_pos_in_items_*`` / ``max_item_len_ptr`` (multi-item scoring),
         ``seq_lens*`` / ``block_tables`` / ``max_*`` (trtllm-gen backend) arguments must stay None
-        (ValueError); ``fixed_split_size`` / ``disable_split_kv`` as in the decode wrapper."""
+        (ValueError); ``fixed_split_size`` / ``disable_split_kv`` / ``batch_invariant`` as in the decode
+        wrapper."""
         self._plan_paged("BatchPrefillWithPagedKVCacheWrapper.plan", **_arguments(locals()))
 
     begin_forward = plan
@@ -241,7 +245,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
                        q_data_type="float16", kv_data_type=None, o_data_type=None, prefix_len_ptr=None,
                        token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None,
                        seq_lens_q=None, block_tables=None, max_token_per_sequence=None, max_sequence_kv=None,
-                       fixed_split_size=None, disable_split_kv=False):
+                       fixed_split_size=None, disable_split_kv=False, *, batch_invariant=None):
         """(float_workspace_size, int_workspace_size) in bytes that plan() needs for this batch at the
         split the device asks for (flashkern has one workspace: the second is 0). Nothing is kept."""
         return self._plan_paged("BatchPrefillWithPagedKVCacheWrapper.workspace_size", **_arguments(locals()),
@@ -253,7 +257,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
                     rope_theta, q_data_type, kv_data_type, o_data_type, prefix_len_ptr, token_pos_in_items_ptr,
                     token_pos_in_items_len, max_item_len_ptr, seq_lens, seq_lens_q, block_tables,
                     max_token_per_sequence, max_sequence_kv, fixed_split_size, disable_split_kv, non_blocking=True,
-                    dry_run=False):
+                    dry_run=False, batch_invariant=None):
         reject_other_features(op, prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                               token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
                               seq_lens=seq_lens, seq_lens_q=seq_lens_q, block_tables=block_tables,
@@ -278,7 +282,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
                                   head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal,
                                   pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
                                   rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type, fixed_split_size,
-                                  disable_split_kv, False, device_indices, dry_run)
+                                  disable_split_kv, False, device_indices, dry_run, batch_invariant)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
@@ -338,7 +342,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Prefill):
              q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True, prefix_len_ptr=None,
              token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None,
              disable_split_kv=False, seq_lens=None, seq_lens_q=None, max_token_per_sequence=None, max_sequence_kv=None,
-             v_indptr=None, o_indptr=None):
+             v_indptr=None, o_indptr=None, *, batch_invariant=None):
         """Plan the batch (see BatchPrefillWithPagedKVCacheWrapper.plan; ``fixed_split_size`` counts
         tokens here). ``v_indptr`` / ``o_indptr`` (other layouts of v and out) must stay None."""
         self._plan_ragged("BatchPrefillWithRaggedKVCacheWrapper.plan", **_arguments(locals()))
@@ -350,7 +354,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Prefill):
                      logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                      non_blocking, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr,
                      fixed_split_size, disable_split_kv, seq_lens, seq_lens_q, max_token_per_sequence,
-                     max_sequence_kv, v_indptr, o_indptr, dry_run=False):
+                     max_sequence_kv, v_indptr, o_indptr, dry_run=False, batch_invariant=None):
         reject_other_features(op, prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                               token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
                               seq_lens=seq_lens, seq_lens_q=seq_lens_q, max_token_per_sequence=max_token_per_sequence,
@@ -369,7 +373,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Prefill):
                                   pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
                                   rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type, fixed_split_size,
                                   disable_split_kv, True, None if dry_run else no_indices.to(self._core._device),
-                                  dry_run)
+                                  dry_run, batch_invariant)
 
     def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, kv_cache_sf=None, window_left=None, sinks=None):
@@ -464,10 +468,11 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     sm_scale = None if sm_scale is None else scale_factor(op, "sm_scale", sm_scale)
     if custom_mask is None and packed_custom_mask is None:
         wrapper = _single_plan(q.device, q.dtype, k.dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads,
-                               head_dim, causal, sm_scale, window_left, cap)
+                               head_dim, causal, sm_scale, window_left, cap, invariance.is_batch_invariant())
     else:
         wrapper = _plan_single(q.device, q.dtype, k.dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads,
-                               head_dim, causal, sm_scale, window_left, cap, custom_mask, packed_custom_mask)
+                               head_dim, causal, sm_scale, window_left, cap, invariance.is_batch_invariant(),
+                               custom_mask, packed_custom_mask)
     out, lse = wrapper._core._run(op, q, (k.unsqueeze(1), v.unsqueeze(1)), None, None, sinks, None, k_scale, v_scale,
                                   kv_layout="NHD")
     return (out, lse) if return_lse else out
@@ -477,13 +482,13 @@ single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_
 
 
 def _plan_single(device, dtype, kv_dtype, o_dtype, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal,
-                 sm_scale, window_left, cap, custom_mask=None, packed_custom_mask=None):
+                 sm_scale, window_left, cap, batch_invariant, custom_mask=None, packed_custom_mask=None):
     """A ragged wrapper planned for one request, with a workspace sized by a dry run of its plan."""
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     qo, kv = i32([0, qo_len]), i32([0, kv_len])
     args = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, sm_scale=sm_scale,
                 window_left=window_left, logits_soft_cap=cap, q_data_type=dtype, kv_data_type=kv_dtype,
-                o_data_type=o_dtype)
+                o_data_type=o_dtype, batch_invariant=batch_invariant)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device))
     nbytes = wrapper._plan_ragged(**_ragged_arguments(qo, kv, num_qo_heads, num_kv_heads, head_dim, args), dry_run=True)
     wrapper.reset_workspace_buffer(torch.empty(nbytes, dtype=torch.uint8, device=device))

@@ -36,7 +36,7 @@ from typing import List, NamedTuple
 
 import torch
 
-from . import _C
+from . import _C, invariance
 
 
 class _Node:
@@ -384,7 +384,12 @@ class PrefixCache:
         is one group's KV at the level of its depth (runs shared by more requests above); a request's
         other pages (its unshared nodes and its own pages) form its last level. With more levels than
         max_levels, the adjacent pair whose merge reads the fewest more KV tokens is merged, until they
-        fit. qo_lens: query tokens per request (default 1: decode), in ``requests``' order."""
+        fit. qo_lens: query tokens per request (default 1: decode), in ``requests``' order. In batch-invariant
+        mode (flashkern.invariance) it raises ValueError: a request's levels follow which other requests
+        share its prefix; plan_decode's flat tables are invariant."""
+        if invariance.is_batch_invariant():
+            raise ValueError("PrefixCache.plan_cascade: in batch-invariant mode a request's cascade levels would depend "
+                             "on which other requests share its prefix; use plan_decode (flat page tables)")
         if not isinstance(max_levels, int) or not 1 <= max_levels <= 8:
             raise ValueError(f"plan_cascade: max_levels must be 1 to 8, got {max_levels!r}")
         if qo_lens is not None:

@@ -28,12 +28,15 @@ Semantics, on every backend (csrc/include/flashkern/ops.h has the same words):
   ceil((nodes + 64) / 4)): a caller that reuses a seed must advance ``offset`` by at least that
   between calls, or draws repeat. The CPU reference draws with torch.Generators seeded from the
   same values (one per row for a seed per row): the same distribution, other tokens.
+- Batch-invariant mode (flashkern.invariance): a batch of more than one row needs a seed per row
+  (a [batch] seed tensor) and an offset, else ValueError; a request then draws the same numbers alone
+  (its seed as an int or a [1] tensor) and at any row of any batch.
 - ``deterministic``: accepted for FlashInfer's signature; every kernel here is deterministic.
 """
 
 import torch
 
-from . import _backend, ref
+from . import _backend, invariance, ref
 from ._validate import (
     check_enable_pdl,
     check_probs,
@@ -51,6 +54,10 @@ _ops = torch.ops.flashkern
 def _random_args(op, device, generator, seed, offset, batch):
     """(seed_arr, seed, offset_arr, offset) for the ops: a seed drawn on the device from the
     generator when seed or offset is unset, else the caller's values or tensors."""
+    if invariance.is_batch_invariant() and batch > 1 and not (isinstance(seed, torch.Tensor) and seed.numel() == batch
+                                                               and offset is not None):
+        raise ValueError(f"{op}: batch-invariant mode needs a seed per request: seed a [batch={batch}] int64 tensor "
+                         "and an offset (with one seed for the batch a row's random numbers follow its row index)")
     if seed is None or offset is None:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"{op}: generator must be a torch.Generator or None, got {type(generator).__name__}")

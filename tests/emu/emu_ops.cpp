@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "flashkern/attention_plan.h"
 #include "flashkern/ops.h"
 
 using fk::DType;
@@ -132,17 +133,43 @@ const char* emu_batch_attention(void* out, float* lse, const void* q, const int6
   return fk::launch_batch_attention(p, nullptr);
 }
 
+// The host planner (attention_plan.h) as this library was built (a mutant's, in tests/test_emulator_checks.py),
+// with _C.plan_attention's arguments: levels [num_levels * 9]: the addresses of qo_indptr, kv_indptr and
+// last_page_len, then groups, num_indices, causal, window_left, custom_mask, identity; shape: batch, page_size,
+// group_size, kv_heads, head_dim, cta_budget, min_chunk, item_capacity, slot_capacity, invariant. result:
+// words, the counts per kind, slots, chunk, needs_merge. nullptr, or the planner's error.
+const char* emu_plan_attention(const int64_t* levels, int num_levels, const int64_t* shape, int32_t* out,
+                               int64_t out_words, int64_t* result) {
+  static std::string error;
+  std::vector<fk::PlanLevel> plan_levels;
+  for (int i = 0; i < num_levels; ++i) {
+    const int64_t* l = levels + 9 * i;
+    plan_levels.push_back({reinterpret_cast<const int32_t*>(l[0]), reinterpret_cast<const int32_t*>(l[1]),
+                           reinterpret_cast<const int32_t*>(l[2]), l[3], l[4], l[5] != 0, l[6], l[7] != 0, l[8] != 0});
+  }
+  fk::PlanShape s{};
+  s.batch = shape[0], s.page_size = shape[1], s.group_size = shape[2], s.kv_heads = shape[3], s.head_dim = shape[4];
+  s.cta_budget = shape[5], s.min_chunk = shape[6], s.item_capacity = shape[7], s.slot_capacity = shape[8];
+  s.invariant = shape[9] != 0;
+  const fk::PlanResult r = fk::plan_attention(plan_levels.data(), num_levels, s, out, out_words);
+  if (!r.error.empty()) return (error = r.error).c_str();
+  result[0] = r.words, result[1] = r.count[0], result[2] = r.count[1], result[3] = r.count[2];
+  result[4] = r.slots, result[5] = r.chunk, result[6] = r.needs_merge;
+  return nullptr;
+}
+
 // probs [rows, vocab] contiguous; indices [batch] int32 or nullptr (batch = rows); filter: SampleFilter;
-// the random numbers from (seed, offset 0). out [batch] int32.
+// the random numbers from (seed, offset 0), or from seeds [batch] (a seed per row) where not nullptr. out [batch] int32.
 const char* emu_sampling(int32_t* out, bool* valid, const float* probs, int64_t rows, int64_t vocab,
                          const int32_t* indices, int64_t batch, int filter, int64_t top_k, float top_p, float min_p,
-                         int64_t seed) {
+                         int64_t seed, const int64_t* seeds) {
   fk::SamplingParams p{};
   p.out = out, p.valid = valid, p.probs = probs, p.probs_stride = vocab, p.indices = indices;
   p.top_k = top_k, p.top_p = top_p, p.min_p = min_p;
   p.batch = indices != nullptr ? batch : rows, p.rows = rows, p.vocab = vocab;
   p.filter = fk::SampleFilter(filter);
   p.rng.seed = seed, p.rng.seed_len = p.rng.offset_len = 1;
+  if (seeds != nullptr) p.rng.seed_arr = seeds, p.rng.seed_len = p.batch;
   return fk::launch_sampling(p, nullptr);
 }
 

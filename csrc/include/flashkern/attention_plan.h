@@ -10,6 +10,13 @@
 // (the kernels' KV tiles) and at least min_chunk long; they grow further if the workspace cannot
 // hold the items or the partial states. Items are sorted longest chunk first, so blocks that
 // loop over several items (a graph-captured launch has a fixed grid) stay balanced.
+//
+// Batch-invariant plans (PlanShape::invariant, docs/design.md): a query's bits depend only on its
+// own request. The chunk is min_chunk exactly, counted from each sequence's start, never chosen
+// from the batch or the device nor grown to fit the workspace (that fails instead); a request's
+// tile is chosen from its own queries, and the groups of shared levels, whose queries come from
+// several requests, all take one fixed tile (a row's result does not depend on the other rows of
+// its tile). Each query's states merge in level order, then chunk order, as in every plan.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +49,7 @@ struct PlanShape {
   int64_t cta_budget;  // blocks the device runs at once
   int64_t min_chunk;   // tokens
   int64_t item_capacity, slot_capacity;  // workspace_layout()
+  bool invariant = false;  // batch-invariant: chunk = min_chunk, tiles chosen per request (above)
   // The caller's names of qo_indptr, kv_indptr, kv_indices and kv_last_page_len, for messages;
   // `indexed`: one per level, named name[level].
   std::string names[4] = {"qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"};
@@ -83,6 +91,12 @@ inline AttentionWorkItem chunk_item(const Entry& e, int64_t c, int64_t chunk) {
   item.kv_begin = int32_t(c * chunk);
   item.kv_end = int32_t(std::min<int64_t>(e.whole.length, (c + 1) * chunk));
   return item;
+}
+
+// The tile of every group of a level above the last in a batch-invariant plan: its queries may come
+// from several requests, so the tile cannot follow their number (the widest one the head_dim runs).
+inline AttentionKind shared_level_kind(int64_t head_dim) {
+  return head_dim > kMaxWideHeadDim ? AttentionKind::tile16 : AttentionKind::tile64;
 }
 
 // The chunks [lo, hi] query i of entry e sees (lo > hi: none).
@@ -153,6 +167,9 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
       return fail("at most one level may have a custom mask");
     const std::string qo = arg(s, kQoIndptr, l), kv = arg(s, kKvIndptr, l), last = arg(s, kLastPageLen, l);
     if (lv.identity) identity_levels |= 1 << l;
+    // a shared level's tile holds other requests' rows, which decide where a masked row's KV tiles start
+    if (s.invariant && l + 1 < num_levels && (lv.causal || lv.window_left >= 0 || lv.custom_mask))
+      return fail("a batch-invariant plan takes causal order, windows and masks on the last level only");
     if (lv.qo_indptr != nullptr) {
       if (lv.qo_indptr[0] != 0) return fail(qo + "[0] must be 0, got " + std::to_string(lv.qo_indptr[0]));
       if (lv.qo_indptr[lv.groups] != s.batch)
@@ -203,7 +220,8 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
       Entry e{};
       e.whole = {int32_t(l), int32_t(q0), int32_t(n_q), 0, int32_t(p0), 0, int32_t(length), 0, int32_t(first),
                  causal ? int32_t(diagonal) : kNoDiagonal, lv.custom_mask ? int32_t(mask) : -1, int32_t(length)};
-      e.kind = attention_kind(n_q, s.group_size, int(s.head_dim));
+      e.kind = s.invariant && l + 1 < num_levels ? shared_level_kind(s.head_dim)
+                                                 : attention_kind(n_q, s.group_size, int(s.head_dim));
       if (lv.custom_mask && e.kind == AttentionKind::decode) e.kind = AttentionKind::tile16;  // only tiles read masks
       e.tile_rows = kind_rows(e.kind);
       e.row_tiles = e.kind == AttentionKind::decode ? 1 : (n_q * s.group_size + e.tile_rows - 1) / e.tile_rows;
@@ -257,12 +275,17 @@ inline PlanResult plan_attention(const PlanLevel* levels, int num_levels, const 
     }
     return items <= s.item_capacity && slots <= s.slot_capacity;
   };
-  int64_t chunk = align_up(std::max(std::max<int64_t>(1, (work + s.cta_budget - 1) / std::max<int64_t>(s.cta_budget, 1)),
-                                    s.min_chunk),
-                           64);
-  chunk = std::min(chunk, top);
+  const int64_t share = s.invariant ? 1 : (work + s.cta_budget - 1) / std::max<int64_t>(s.cta_budget, 1);
+  int64_t chunk = std::min(align_up(std::max(std::max<int64_t>(1, share), s.min_chunk), 64), top);
   int64_t items = 0, slots = 0;
-  if (!demand(chunk, items, slots)) {  // the smallest chunk, a multiple of 64, that fits the workspace
+  const bool fits = demand(chunk, items, slots);
+  if (!fits && s.invariant)
+    return fail("the workspace is too small for this batch-invariant plan: at its fixed chunk of " +
+                std::to_string(chunk) + " tokens it needs room for " + std::to_string(slots) + " partial states and " +
+                std::to_string(items) + " work items, it holds " + std::to_string(s.slot_capacity) + " and " +
+                std::to_string(s.item_capacity) + " (a batch-invariant chunk never grows to fit; give a larger "
+                "workspace_buffer)");
+  if (!fits) {  // the smallest chunk, a multiple of 64, that fits the workspace
     int64_t lo = chunk, hi = top;
     if (!demand(hi, items, slots))
       return fail("the workspace is too small for this batch: it needs room for " + std::to_string(slots) +

@@ -95,7 +95,8 @@ def flashkern_attention(module, query, key, value, attention_mask, dropout=0.0, 
     layout). No mask: causal, with the layer's sliding window (transformers' sliding_window W: the
     last W keys, i.e. window_left = W - 1) and soft cap. A mask (padding, or any other: transformers
     builds it with its sdpa mask function, window included, True = may attend): each sequence's
-    rows as a custom mask."""
+    rows as a custom mask; in batch-invariant mode a sequence's padding is cut off first
+    (_attention_without_padding)."""
     if dropout and module.training:
         raise ValueError("flashkern attention has no dropout; use the model in eval mode or attn_implementation='eager'")
     batch, heads, q_len, head_dim = query.shape
@@ -112,7 +113,11 @@ def flashkern_attention(module, query, key, value, attention_mask, dropout=0.0, 
         if attention_mask is not None:
             rows = attention_mask[b, 0] if attention_mask.dim() == 4 else attention_mask[b]
             mask = rows if rows.dtype == torch.bool else rows == 0  # additive masks: 0 where visible
-            mask = mask[-q_len:, -k.shape[0]:].reshape(-1)
+            mask = mask[-q_len:, -k.shape[0]:]
+            if flashkern.is_batch_invariant() and not prompt:
+                outs.append(_attention_without_padding(q, k, v, mask, scaling, window, softcap))
+                continue
+            mask = mask.reshape(-1)
         out = flashkern.single_prefill_with_kv_cache(
             q.contiguous(), k.contiguous(), v.contiguous(), custom_mask=mask, causal=mask is None,
             sm_scale=scaling, window_left=window if mask is None else -1, logits_soft_cap=softcap, return_lse=prompt)
@@ -123,6 +128,27 @@ def flashkern_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if prompt:  # the hook compresses the layer's cache after its forward
         module._fk_prompt = (query, torch.stack(lses), scaling)
     return torch.stack(outs), None
+
+
+def _attention_without_padding(q, k, v, mask, scaling, window, softcap):
+    """Batch-invariant mode: one sequence's attention as if it were alone. Its padding (the leading
+    keys no query sees, the leading queries that see nothing) is cut off, and what is left runs as
+    causal attention when the mask is the causal one (with the window): the call the sequence makes
+    alone, without a mask, and so the same bits. Padding queries give zeros, as under the mask."""
+    seen = mask.any(dim=0).nonzero()
+    if not seen.numel():
+        return flashkern.single_prefill_with_kv_cache(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                      custom_mask=mask.reshape(-1), sm_scale=scaling,
+                                                      logits_soft_cap=softcap)
+    key0, row0 = int(seen[0]), int(mask.any(dim=1).nonzero()[0])
+    q, k, v, mask = q[row0:], k[key0:], v[key0:], mask[row0:, key0:]
+    diagonal = torch.arange(k.shape[0]) - torch.arange(q.shape[0])[:, None] - (k.shape[0] - q.shape[0])
+    causal = (diagonal <= 0) & ((diagonal >= -window) if window >= 0 else True)
+    plain = torch.equal(mask.cpu(), causal)
+    out = flashkern.single_prefill_with_kv_cache(
+        q.contiguous(), k.contiguous(), v.contiguous(), custom_mask=None if plain else mask.reshape(-1), causal=plain,
+        sm_scale=scaling, window_left=window if plain else -1, logits_soft_cap=softcap)
+    return torch.cat([out.new_zeros((row0, *out.shape[1:])), out])
 
 
 def _compress_layer_cache(module, args, kwargs, output):

@@ -253,7 +253,12 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
             if v_scale is not None:
                 v = v * v_scale.to(c)[:, None]
             heads = kv_heads_of[:, None] * group + head_in_group[None, :]  # [kv_heads, rows]: the q heads
-            logits = soft_cap(torch.einsum("hrd,nhd->hrn", q[t[None, :], heads].to(c), k) * sm_scale, logits_soft_cap)
+            # the products as one fixed shape per kind, the tile's rows, as a kernel's: a row's bits do not
+            # depend on how many rows its item has (CPU matrix products take other paths for few rows)
+            tile_q = q.new_zeros((kv_heads, KIND_ROWS[kind], head_dim), dtype=c)
+            tile_q[:, : rows.numel()] = q[t[None, :], heads].to(c)
+            logits = torch.einsum("hrd,nhd->hrn", tile_q, k)[:, : rows.numel()]
+            logits = soft_cap(logits * sm_scale, logits_soft_cap)
             offset = pos[None, :] - i[:, None]
             hidden = (offset < first) | (offset > last)  # [rows, n]: outside the window or past the diagonal
             if mask >= 0:
@@ -263,7 +268,9 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
                 hh, rr, nn = (~hidden[None]).expand_as(logits).nonzero(as_tuple=True)
                 logits_out[t[rr], heads[hh, rr], pos[nn]] = (logits[hh, rr, nn] / math.log(2)).to(logits_out.dtype)
             weights, s = softmax_state(logits.masked_fill(hidden[None], float("-inf")))
-            o = torch.einsum("hrn,nhd->hrd", weights, v)
+            tile_w = weights.new_zeros((kv_heads, KIND_ROWS[kind], weights.shape[2]))
+            tile_w[:, : rows.numel()] = weights
+            o = torch.einsum("hrn,nhd->hrd", tile_w, v)[:, : rows.numel()]
             # a row writes only if its query sees the chunk (else it has no state here)
             sees = ((i + last + 1).clamp(max=kv_end) > (i + first).clamp(min=kv_begin))[None, :].expand_as(heads)
             tt = t[None, :].expand_as(heads)
