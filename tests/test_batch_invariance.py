@@ -297,7 +297,7 @@ def per_request_seeds(n, g):
 
 
 def test_sampling_is_batch_invariant_with_a_seed_per_request():
-    vocab = 5003
+    vocab = 5004  # rows on 16-byte boundaries (test_sampling_needs_aligned_rows_in_the_mode)
 
     def make(n, g):
         probs = torch.rand(n, vocab, generator=g) ** 4
@@ -313,8 +313,20 @@ def test_sampling_is_batch_invariant_with_a_seed_per_request():
     rows_alone_and_in_batches(sample, make)
 
 
+def test_softmax_and_renormalization_are_batch_invariant():
+    def make(n, g):
+        logits = torch.randn(n, 4100, generator=g) * 4
+        return logits, torch.softmax(logits, -1), torch.rand(n, generator=g) + 0.5
+
+    def rows(logits, probs, temperature):
+        return (flashkern.softmax(logits, temperature), flashkern.top_k_renorm_probs(probs, 40),
+                flashkern.top_p_renorm_probs(probs, 0.8), flashkern.top_k_mask_logits(logits, 40))
+
+    rows_alone_and_in_batches(rows, make)
+
+
 def test_speculative_sampling_is_batch_invariant_with_a_seed_per_request():
-    vocab, n_draft = 301, 4
+    vocab, n_draft = 304, 4
 
     def make(n, g):
         draft = torch.rand(n, n_draft, vocab, generator=g) ** 3
@@ -330,8 +342,22 @@ def test_speculative_sampling_is_batch_invariant_with_a_seed_per_request():
     rows_alone_and_in_batches(speculate, make)
 
 
+def test_sampling_needs_aligned_rows_in_the_mode():
+    """The kernels' sums over a row follow where its 16-byte vectors start: in the mode rows must all start on one."""
+    probs = torch.rand(3, 1003)
+    seeds = dict(seed=torch.arange(3), offset=0)
+    flashkern.sampling_from_probs(probs, **seeds)
+    with flashkern.batch_invariant():
+        flashkern.sampling_from_probs(torch.rand(3, 1004), **seeds)
+        for call in (lambda: flashkern.sampling_from_probs(probs, **seeds), lambda: flashkern.softmax(probs),
+                     lambda: flashkern.top_p_renorm_probs(probs, 0.5),
+                     lambda: flashkern.sampling_from_probs(torch.rand(3, 1005)[:, 1:], **seeds)):
+            with pytest.raises(ValueError, match="16-byte boundary"):
+                call()
+
+
 def test_sampling_needs_a_seed_per_request_in_the_mode():
-    probs = torch.rand(3, 50)
+    probs = torch.rand(3, 52)
     flashkern.sampling_from_probs(probs)  # outside the mode: one seed for the batch
     with flashkern.batch_invariant():
         flashkern.sampling_from_probs(probs[:1])  # one request: its seed is its own

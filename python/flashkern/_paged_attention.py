@@ -440,9 +440,9 @@ class PagedAttention:
         if out.dtype != info["o_dtype"]:
             raise TypeError(f"{op}: out must have the planned o_data_type {info['o_dtype']}, got {out.dtype}")
         cap = info["logits_soft_cap"] if logits_soft_cap is None else soft_cap_value(op, logits_soft_cap)
-        if kv_scores is not None and k.dtype in FP8_DTYPES:
-            raise ValueError(f"{op}: kv_scores (H2O) reads a 16-bit cache; this one is {k.dtype}")
-        if kv_scores is not None:  # before any work: the scoring kernels stop at 256
+        if kv_scores is not None:  # before any work: the scoring kernels read 16-bit caches, head_dim <= 256
+            if k.dtype in FP8_DTYPES:
+                raise ValueError(f"{op}: kv_scores (H2O) reads a 16-bit cache; this one is {k.dtype}")
             check_head_dim(f"{op}: kv_scores (H2O)", info["head_dim"])
         score_tables = None if kv_scores is None else self._score_tables(op, kv_scores)
         logits = None

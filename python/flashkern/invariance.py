@@ -16,7 +16,9 @@ op holds it and what it does not promise):
   chosen from its own queries; a cascade's shared levels use one fixed tile; states merge in a fixed
   order. Attention is read at the time of plan(): the mode is part of the plan.
 - sampling and the speculative functions need a seed per request (seed: a [batch] int64 tensor), or
-  raise ValueError: with one seed for the batch a row's random numbers depend on its row index.
+  raise ValueError: with one seed for the batch a row's random numbers depend on its row index; they,
+  softmax and renormalization need every row on a 16-byte boundary, or raise ValueError (the kernels'
+  sums over a row follow where its 16-byte vectors start).
 - PrefixCache.plan_cascade raises ValueError (its levels follow which requests share a prefix);
   plan_decode's flat tables are invariant.
 - norms, activations and RoPE are invariant in either mode: a row's reduction tree follows its

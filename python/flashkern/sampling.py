@@ -30,7 +30,9 @@ Semantics, on every backend (csrc/include/flashkern/ops.h has the same words):
   same values (one per row for a seed per row): the same distribution, other tokens.
 - Batch-invariant mode (flashkern.invariance): a batch of more than one row needs a seed per row
   (a [batch] seed tensor) and an offset, else ValueError; a request then draws the same numbers alone
-  (its seed as an int or a [1] tensor) and at any row of any batch.
+  (its seed as an int or a [1] tensor) and at any row of any batch. Every row must start on a 16-byte
+  boundary (ValueError otherwise; fp32 rows of a vocabulary that is a multiple of 4 do): the kernels' sums
+  over a row follow where its 16-byte vectors start. The same holds for softmax and renormalization.
 - ``deterministic``: accepted for FlashInfer's signature; every kernel here is deterministic.
 """
 
@@ -75,6 +77,19 @@ def _random_args(op, device, generator, seed, offset, batch):
     return tuple(values)
 
 
+def _check_invariant_rows(op, name, t):
+    """Batch-invariant mode: every row of t on a 16-byte boundary. The kernels read a row in 16-byte vectors
+    from its first boundary, so the order of its sums follows where the row starts; rows that all start on
+    one give a row the same bits at any position of any batch."""
+    if not invariance.is_batch_invariant() or not isinstance(t, torch.Tensor):
+        return
+    strides = [s * t.element_size() for s in t.stride()[:-1]]
+    if t.data_ptr() % 16 or any(s % 16 for s in strides):
+        raise ValueError(f"{op}: batch-invariant mode needs every row of {name} on a 16-byte boundary (its address and "
+                         f"row strides multiples of 16 bytes; got strides {strides} bytes): pad the vocabulary to a "
+                         f"multiple of {16 // t.element_size()}")
+
+
 def _row_param(op, name, value, batch, device):
     """A scalar (checked) or a [batch] tensor (converted to the kernel's dtype) -> (tensor or None, scalar)."""
     dtype = torch.int32 if name == "top_k" else torch.float32
@@ -108,6 +123,7 @@ def _sample(op, probs, indices, filter, generator, check_nan, seed, offset, retu
             top_k=None, top_p=None, min_p=None):
     check_tensor(op, "probs", probs)
     check_probs(op, "probs", probs)
+    _check_invariant_rows(op, "probs", probs)
     if check_nan and torch.isnan(probs).any():
         raise ValueError(f"{op}: probs contains NaN")
     batch = probs.shape[0] if indices is None else indices.shape[0]
@@ -215,6 +231,7 @@ def _renorm(kind, input, top_k=None, top_p=None):
     check_tensor(op, "input", input)
     if input.dim() != 2:
         raise ValueError(f"{op}: input must be 2-D (batch, vocab), got shape {tuple(input.shape)}")
+    _check_invariant_rows(op, "input", input)
     k_arr, k = _row_param(op, "top_k", top_k, input.shape[0], input.device) if top_k is not None else (None, 0)
     p_arr, p = _row_param(op, "top_p", top_p, input.shape[0], input.device) if top_p is not None else (None, 1.0)
     if _backend.use_reference(input.device):
@@ -245,13 +262,15 @@ def softmax(logits, temperature=None, enable_pdl=None):
     last dimension contiguous); temperature None (1), a number > 0, or a ``[batch]`` tensor (one per row,
     read on the device, not checked: a row's values are what ``logits / t`` gives). A row holding NaN or
     +inf, or only -inf, gives NaN, as torch.softmax. The kernel reads each row twice and writes it once;
-    rows longer than 4096 are split over blocks, and a row's bits never depend on the other rows.
+    rows longer than 4096 are split over blocks, and a row's bits never depend on the other rows (on its
+    address, where it is not on a 16-byte boundary: batch-invariant mode asks for rows on one).
     ``enable_pdl``: as in rmsnorm."""
     op = "softmax"
     pdl = check_enable_pdl(op, enable_pdl)
     check_tensor(op, "logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"{op}: logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+    _check_invariant_rows(op, "logits", logits)
     t_arr, t = None, 1.0
     if isinstance(temperature, torch.Tensor):
         t_arr, _ = _row_param(op, "temperature", temperature, logits.shape[0], logits.device)
@@ -314,6 +333,8 @@ def _speculative(op, target, draft, candidates, first_candidate, parents, mode, 
         low, high = int(candidates.min()), int(candidates.max())
         if low < 0 or high >= target.shape[2]:
             raise ValueError(f"{op}: token ids must be in [0, vocab={target.shape[2]}), got {low if low < 0 else high}")
+    for name, t in (("target", target), ("draft", draft)):
+        _check_invariant_rows(op, name, t)
     rng = _random_args(op, target.device, generator, seed, offset, target.shape[0])
     args = (target, draft, candidates, first_candidate, parents, mode, *rng)
     if _backend.use_reference(target.device):
