@@ -135,7 +135,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                        pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
                        kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
                        rope_theta=None, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
-                       q_len_per_req=1, batch_invariant=None):
+                       q_len_per_req=1, *, batch_invariant=None):
         """(float_workspace_size, int_workspace_size) in bytes: the workspace plan() needs for this batch
         to split it as the device asks (a smaller one still works, with longer chunks; a workspace
         too small for even one chunk a request is a ValueError in plan()). flashkern has one workspace,
