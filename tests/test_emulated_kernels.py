@@ -1422,10 +1422,12 @@ def emu_plans(attention_lib, monkeypatch):
     return attention_lib
 
 
-# decode: the decode kernel and the 16-row tile; prefill: 64-row tiles, mixed; head_dim 512's dimension split
-@pytest.mark.parametrize("path,group,head_dim", [("decode", 1, 64), ("decode", 8, 128), ("paged", 4, 64),
-                                                 ("ragged", 2, 64), ("ragged", 4, 512)])
-def test_attention_kernels_are_batch_invariant(emu_plans, path, group, head_dim):
+# decode: the decode kernel and the 16-row tile; prefill: 64-row tiles, mixed, a sliding window; head_dim 512's
+# dimension split
+@pytest.mark.parametrize("path,group,head_dim,window_left", [("decode", 1, 64, -1), ("decode", 8, 128, -1),
+                                                             ("paged", 4, 64, -1), ("ragged", 2, 64, -1),
+                                                             ("ragged", 4, 64, 40), ("ragged", 4, 512, -1)])
+def test_attention_kernels_are_batch_invariant(emu_plans, path, group, head_dim, window_left):
     from test_batch_invariance import assert_same_bits, attention_batches
 
     def execute(wrapper, q, kv):
@@ -1433,7 +1435,8 @@ def test_attention_kernels_are_batch_invariant(emu_plans, path, group, head_dim)
 
     wide = head_dim > 256  # 16-row tiles at 4x the work of 64-row ones: fewer, shorter requests
     assert_same_bits(attention_batches(path, group, head_dim, execute, others=(1, 6) if wide else (1, 24), seed=group,
-                                       max_kv=50 if wide else 100, splits=[dict(), dict(fixed_split_size=4)]))
+                                       max_kv=50 if wide else 100, splits=[dict(), dict(fixed_split_size=4)],
+                                       window_left=window_left))
 
 
 @pytest.mark.parametrize("group", [1, 4])
