@@ -130,3 +130,22 @@ def pytest_make_parametrize_id(config, val, argname):
     if isinstance(val, torch.dtype):
         return str(val).replace("torch.", "")
     return None
+
+
+@pytest.fixture
+def restore_rope():
+    """apply_flashkern patches the family's module-level apply_rotary_pos_emb: put the originals back
+    (tests/test_integrations.py, tests/test_batch_invariance.py; transformers must be importable)."""
+    import importlib
+
+    from flashkern.integrations.transformers import FAMILIES
+
+    pytest.importorskip("transformers", reason="transformers is an optional dependency")
+
+    saved = {}
+    for module_name, *_ in FAMILIES.values():
+        module = importlib.import_module(module_name)
+        saved[module] = module.apply_rotary_pos_emb
+    yield
+    for module, fn in saved.items():
+        module.apply_rotary_pos_emb = fn

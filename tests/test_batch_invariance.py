@@ -371,14 +371,6 @@ def test_sampling_needs_a_seed_per_request_in_the_mode():
 
 
 @pytest.fixture
-def restore_rope():
-    pytest.importorskip("transformers", reason="transformers is an optional dependency")
-    from test_integrations import restore_rope as restore
-
-    yield from restore.__wrapped__()
-
-
-@pytest.fixture
 def row_invariant_linear(monkeypatch):
     """torch's CPU matrix product takes other paths for few rows (one row: a matrix-vector product), so a
     model's linear layers are not batch-invariant by themselves; flashkern has no GEMM. Here every

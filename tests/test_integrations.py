@@ -3,7 +3,6 @@ downloaded): logits and gradients before and after patching, for every supported
 rope_type, on every device."""
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -36,18 +35,6 @@ def make_model(model_type, rope_type="default", theta=10000.0):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     return model.eval()
-
-
-@pytest.fixture
-def restore_rope():
-    """apply_flashkern patches the family's module-level apply_rotary_pos_emb: put the originals back."""
-    saved = {}
-    for module_name, *_ in FAMILIES.values():
-        module = importlib.import_module(module_name)
-        saved[module] = module.apply_rotary_pos_emb
-    yield
-    for module, fn in saved.items():
-        module.apply_rotary_pos_emb = fn
 
 
 def run(model, ids):

@@ -22,22 +22,12 @@ from transformers import AttentionInterface, DynamicCache  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
 
-from flashkern.integrations.transformers import FAMILIES, apply_flashkern  # noqa: E402
+from flashkern.integrations.transformers import apply_flashkern  # noqa: E402
 from flashkern.kv_compress import H2O, SnapKV, StreamingLLM  # noqa: E402
 
 CONFIG = dict(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, head_dim=64)
 PROMPT = 48
-
-
-@pytest.fixture
-def restore_rope():
-    import importlib
-
-    saved = {importlib.import_module(m): importlib.import_module(m).apply_rotary_pos_emb for m, *_ in FAMILIES.values()}
-    yield
-    for module, fn in saved.items():
-        module.apply_rotary_pos_emb = fn
 
 
 def make_model(dtype=torch.float32):

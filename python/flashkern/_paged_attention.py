@@ -77,16 +77,15 @@ def host_indptr(op, name, indptr):
     return host_int32(op, name, indptr), indptr.shape[0] - 1
 
 
-def split_length(op, fixed_split_size, disable_split_kv, page_size, batch_invariant=False):
-    """FlashInfer's split options as the planner's chunk length: None (the device's choice; in a
-    batch-invariant plan INVARIANT_CHUNK tokens), MAX_KV_LENGTH (disable_split_kv: no split) or
-    fixed_split_size pages' tokens."""
+def split_length(op, fixed_split_size, disable_split_kv, page_size):
+    """FlashInfer's split options as the planner's chunk length: None (the device's choice),
+    MAX_KV_LENGTH (disable_split_kv: no split) or fixed_split_size pages' tokens."""
     if disable_split_kv not in (False, True):
         raise TypeError(f"{op}: disable_split_kv must be a bool, got {disable_split_kv!r}")
     if disable_split_kv:
         return MAX_KV_LENGTH
     if fixed_split_size is None:
-        return INVARIANT_CHUNK if batch_invariant else None
+        return None
     check_positive_int(op, "fixed_split_size", fixed_split_size, " (pages)")
     return min(fixed_split_size * page_size, MAX_KV_LENGTH)
 
@@ -318,7 +317,8 @@ class PagedAttention:
         read). Checks the rest, plans, and writes the plan into the workspace; dry_run: returns
         the workspace bytes the plan needs (at its preferred split) instead. graph_tables: under CUDA graphs,
         the fixed buffers the plan filled, (qo_indptr or None, kv_indptr, kv_last_page_len), for kv_scores.
-        batch_invariant: a batch-invariant plan (flashkern.invariance; split_tokens is its chunk)."""
+        batch_invariant: a batch-invariant plan (flashkern.invariance): its chunk is split_tokens, or
+        INVARIANT_CHUNK when that is None."""
         check_head_dim(op, head_dim, ATTENTION_HEAD_DIMS)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive_int(op, name, value)
@@ -358,10 +358,12 @@ class PagedAttention:
             for i, (qo, kv, indices, last) in enumerate(levels)
         ]
         # split_tokens: a fixed chunk length (one block of work per that many tokens, however many
-        # blocks the device has), or MAX_KV_LENGTH for no split at all; a batch-invariant plan is given
-        # the device's budget too, which its planner must not use
-        budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else \
-            (self._cta_budget if batch_invariant else 1 << 40, split_tokens)
+        # blocks the device has), or MAX_KV_LENGTH for no split at all; a batch-invariant plan always has
+        # a fixed chunk, and is given the device's budget too, which its planner must not use
+        if batch_invariant:
+            budget, min_chunk = self._cta_budget, INVARIANT_CHUNK if split_tokens is None else split_tokens
+        else:
+            budget, min_chunk = (self._cta_budget, self._min_chunk) if split_tokens is None else (1 << 40, split_tokens)
         if dry_run:  # room for every item and state: the split the device asks for, never grown to fit
             _, counts, slots, _, _ = _C.plan_attention(
                 plan_levels, batch, page_size, num_qo_heads // num_kv_heads, num_kv_heads, head_dim, budget, min_chunk,

@@ -7,7 +7,6 @@ with each request's own KV through the attention states (natural-log LSE). Flash
 import torch
 
 from . import invariance
-from .invariance import INVARIANT_CHUNK
 from ._paged_attention import (
     ALL_KINDS,
     PagedAttention,
@@ -110,8 +109,8 @@ class MultiLevelCascadeAttentionWrapper:
             device_indices.append(self._device_indices(op, i, paged_kv_indices_arr[i], arrays, requests))
         batch = int(levels[-1][0][-1]) if requests >= 0 else 0  # the query tokens (the planner checks the rest)
         self._core._plan(op, levels, device_indices, batch, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
-                         q_dtype, kv_dtype, names, True, ALL_KINDS, INVARIANT_CHUNK if invariant else None, causal=causal,
-                         logits_soft_cap=logits_soft_cap, batch_invariant=invariant)
+                         q_dtype, kv_dtype, names, True, ALL_KINDS, causal=causal, logits_soft_cap=logits_soft_cap,
+                         batch_invariant=invariant)
 
     begin_forward = plan
 

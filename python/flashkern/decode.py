@@ -8,7 +8,6 @@ import functools
 import torch
 
 from . import _C, invariance
-from .invariance import INVARIANT_CHUNK
 from ._paged_attention import (
     PagedAttention,
     attention_dtype,
@@ -121,7 +120,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         check_positive_int(op, "page_size", page_size)
         check_positive_int(op, "q_len_per_req", q_len_per_req)
         invariant = invariance.resolve(op, batch_invariant)
-        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size, invariant)
+        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size)
         if block_tables is not None or seq_lens is not None:
             indptr, indices, last_page_len = csr_page_table(op, indptr, indices, last_page_len, block_tables,
                                                             seq_lens, page_size)
@@ -312,7 +311,7 @@ def _single_plan(device, dtype, kv_dtype, kv_len, num_qo_heads, num_kv_heads, he
     args = ("single_decode_with_kv_cache", i32([0, 1]), i32([0]), i32([kv_len]), num_qo_heads, num_kv_heads,
             head_dim, kv_len)
     options = dict(q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, window_left=window_left,
-                   split_tokens=INVARIANT_CHUNK if batch_invariant else None, batch_invariant=batch_invariant)
+                   batch_invariant=batch_invariant)
     wrapper.reset_workspace_buffer(torch.empty(wrapper._plan(*args, **options, dry_run=True), dtype=torch.uint8,
                                                device=device))
     wrapper._plan(*args, **options)

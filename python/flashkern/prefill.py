@@ -135,7 +135,7 @@ class _Prefill:
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"{op}: head_dim_vo must equal head_dim_qk ({head_dim_qk}) in flashkern, got {head_dim_vo}")
         invariant = invariance.resolve(op, batch_invariant)
-        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size, invariant)
+        split_tokens = split_length(op, fixed_split_size, disable_split_kv, page_size)
         q_dtype = attention_dtype(op, "q_data_type", q_data_type)
         if q_dtype is None:
             raise TypeError(f"{op}: q_data_type must be torch.float16 or torch.bfloat16, got None")
