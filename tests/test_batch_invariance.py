@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from conftest import rand
+from conftest import rand, requires_gpu
 from paged_kv import i32, paged, random_kv
 
 import flashkern
@@ -113,6 +113,14 @@ def assert_same_bits(pairs):
 
 
 # ---------------------------------------------------------------- the mode itself
+
+
+@requires_gpu
+def test_batch_invariance_on_this_gpu():
+    """flashkern check's batch invariance family on the GPU (`pytest -m gpu`, the device check): the kernels'
+    bits for a request alone and in a batch, and on planners of 4 and 1000 blocks, on the hardware."""
+    rows = flashkern.check(devices=["cuda"], families=["batch invariance"])
+    assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
 
 
 def test_mode_switches_and_restores():
