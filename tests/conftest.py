@@ -3,7 +3,10 @@ backend) always, the GPU where one is visible, so the GPU tests are these same f
 emulated kernels (the `emulate` backends: CPU tensors, the CUDA or HIP kernels' own code run by the
 CPU emulation) named in FLASHKERN_TEST_EMULATE (default "emulate,emulate-wave64"; "" for none)."""
 
+import hashlib
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,43 +30,80 @@ DEVICES = ["cpu"] + (["cuda"] if GPU else []) + EMULATED
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def pytest_collection_finish(session):
-    """The emulator checks (test_emulator_checks.py: sanitizer runs and mutants, each a subprocess) start
-    in a background thread as soon as they are collected, so they use the second core meanwhile."""
-    if session.config.option.collectonly:
-        return
-    if any(item.path.name == "test_emulator_checks.py" for item in session.items):
-        import test_emulator_checks
-
-        if test_emulator_checks.CXX:
-            test_emulator_checks.start()
+# CI time: in these files' grids an emulate backend runs one case in SAMPLE[backend], a share that rotates with
+# the code (ROTATION), so that every case runs across commits; every kernel path also runs on every launcher
+# directly in test_emulated_kernels.py. FLASHKERN_TEST_EMULATE_SAMPLE=1 runs them all.
+SAMPLED_FILES = {"test_decode.py", "test_prefill.py", "test_cascade.py", "test_norm.py", "test_act_and_mul.py",
+                 "test_rope.py"}
+SAMPLE = {"emulate": 1, "emulate-wave64": 3}
+if "FLASHKERN_TEST_EMULATE_SAMPLE" in os.environ:
+    SAMPLE = dict.fromkeys(SAMPLE, int(os.environ["FLASHKERN_TEST_EMULATE_SAMPLE"]))
 
 
-# CI time: the emulate-wave64 backend runs one case in WAVE64_SAMPLE of these files' grids (every kernel
-# path also runs on the wave64 and wave32 launchers directly in test_emulated_kernels.py);
-# FLASHKERN_TEST_WAVE64_SAMPLE=1 runs them all.
-WAVE64_SAMPLED = {"test_decode.py", "test_prefill.py", "test_cascade.py", "test_norm.py", "test_act_and_mul.py",
-                  "test_rope.py"}
-WAVE64_SAMPLE = int(os.environ.get("FLASHKERN_TEST_WAVE64_SAMPLE", "3"))
+def rotation():
+    """Which cases of a sampled grid run: FLASHKERN_TEST_ROTATION, else a number from the committed code (the
+    trees of csrc/, python/ and tests/), so that each change of the code runs another share and every case runs
+    across commits, while a commit of docs alone runs the same share (0 outside a git checkout)."""
+    if "FLASHKERN_TEST_ROTATION" in os.environ:
+        return int(os.environ["FLASHKERN_TEST_ROTATION"])
+    trees = subprocess.run(["git", "rev-parse", "HEAD:csrc", "HEAD:python", "HEAD:tests"], cwd=Path(__file__).parent,
+                           capture_output=True, text=True)
+    return int(hashlib.sha1(trees.stdout.encode()).hexdigest()[:8], 16) if trees.returncode == 0 else 0
 
 
+ROTATION = rotation()
+# pytest-xdist (README's test command: -n auto; pyproject: --dist loadgroup) hands tests out in collection order,
+# the groups first: the longest tests (builds, subprocess runs) go first, so that no core is left alone with one of
+# them at the end, and the tests of a module-scoped build are one group, run by one worker that builds it once.
+LONGEST_FIRST = ["test_emulator_checks.py", "test_kernel_build.py", "test_device_check.py"]
+BUILD_FIXTURES = ["cuda_build", "hip_build"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     seen = {}
     for item in items:
+        for build in BUILD_FIXTURES:
+            if build in item.fixturenames:
+                item.add_marker(pytest.mark.xdist_group(build))
         device = getattr(item, "callspec", None) and item.callspec.params.get("device")
         # `-m gpu` selects what needs a GPU: the cuda-parametrized cases and the tests marked requires_gpu
         if device == "cuda":
             item.add_marker(pytest.mark.gpu)
         elif not GPU and item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA or ROCm GPU"))
-        if getattr(device, "backend", None) != "emulate-wave64" or item.path.name not in WAVE64_SAMPLED:
+        backend = getattr(device, "backend", None)
+        if backend not in SAMPLE or item.path.name not in SAMPLED_FILES:
             continue
-        k = seen[item.path.name] = seen.get(item.path.name, -1) + 1
-        if k % WAVE64_SAMPLE:
-            item.add_marker(pytest.mark.skip(reason=f"emulate-wave64: one case in {WAVE64_SAMPLE} of this file's grid "
-                                                    "(CI time; FLASHKERN_TEST_WAVE64_SAMPLE=1 runs all)"))
-    # the emulator checks last: they wait for their background runs, which the rest of the suite overlaps
-    items.sort(key=lambda item: item.path.name == "test_emulator_checks.py")
+        k = seen[item.path.name, backend] = seen.get((item.path.name, backend), -1) + 1
+        if (k + ROTATION) % SAMPLE[backend]:
+            item.add_marker(pytest.mark.skip(reason=f"{backend}: one case in {SAMPLE[backend]} of this file's grid, "
+                                                    "rotating by commit (CI time; FLASHKERN_TEST_EMULATE_SAMPLE=1 runs "
+                                                    "all)"))
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(OnceUnderAsan(), "flashkern-once-under-asan")
+
+
+class OnceUnderAsan:
+    """In a run that has test_emulator_checks.py's ASan run of the emulated-kernel module, the tests of that module
+    which it covers are left out of this process (deselected): the same test functions, the same assertions, under
+    AddressSanitizer there. Last, after -k and -m, so that it sees what the run really has."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not any(item.nodeid.endswith("test_emulator_checks.py::test_kernels_under_sanitizer[address]")
+                   for item in items):
+            return
+        from test_emulator_checks import covered_by_asan
+
+        left_out = [item for item in items if covered_by_asan(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not covered_by_asan(item)]
 
 
 def pytest_generate_tests(metafunc):
@@ -92,6 +132,15 @@ def subprocess_limit(alone_seconds):
     scale = float(os.environ.get("FLASHKERN_TEST_LIMIT_SCALE", "20"))
     load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 1.0
     return alone_seconds * scale * max(1.0, load)
+
+
+def missing_tool(what):
+    """A test whose compiler or tool is not installed: skipped on a developer's machine, failed in CI (CI=true),
+    which scripts/setup.sh equips with every one, so that a missing install step is a red run, not a quiet skip."""
+    message = f"{what} not installed (scripts/setup.sh installs it)"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI: {message}", pytrace=False)
+    pytest.skip(message)
 
 
 def emulated(device):

@@ -6,6 +6,7 @@ planning and reductions where no GPU exists; it does not check the hardware memo
 or the conversion instructions."""
 
 import ctypes
+import hashlib
 import math
 import os
 import re
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FLOAT_DTYPES, assert_close, rand, tolerance
+from conftest import FLOAT_DTYPES, assert_close, missing_tool, rand, tolerance
+from filelock import FileLock
 
 from flashkern import ref
 from flashkern.rope_scaling import cos_sin_cache, theta_inv_freq
@@ -33,44 +35,52 @@ SOURCE_ROOT = Path(os.environ.get("FK_EMU_SOURCE_ROOT", ROOT))  # a mutated copy
 SANITIZER_FLAGS = [f"-fsanitize={SANITIZER}", "-g", "-fno-omit-frame-pointer"] if SANITIZER else []
 
 
-_built = {}  # backend -> the library file, compiled once per session
-
-
 def build(tmp_path_factory, backend, source_root=SOURCE_ROOT):
     """The emulated kernel library from csrc/cuda/*.cu (warp 32) or csrc/hip/*.hip (wave64/wave32 launchers)
     under source_root, loaded from its own copy of the file: each instance keeps its own emulator state
-    (the device, the launches)."""
+    (the device, the launches). Compiled once per session: pytest-xdist's workers share the build (a lock on
+    the session's temporary root), so that one compiles while the others wait for it."""
     cxx = shutil.which("g++")
     if cxx is None:
-        pytest.skip("no g++")
-    key = (backend, source_root)
-    if key not in _built:
-        out = tmp_path_factory.mktemp(f"emu-{backend}")
-        # hidden: the emulator's state is the library's own, however many are loaded
-        flags = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-DFK_EMULATE", "-Icsrc/include",
-                 *SANITIZER_FLAGS]
-        if backend == "hip":
-            flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
-        pattern = "*.cu" if backend == "cuda" else "*.hip"
-        sources = sorted((source_root / "csrc" / backend).glob(pattern)) + [source_root / "tests" / "emu" / "emu_ops.cpp"]
-        # ccache, with paths relative to source_root: the sanitizer runs and mutants of
-        # tests/test_emulator_checks.py (each its own copy of csrc/) rebuild only what their change touches
-        launcher = [ccache] if (ccache := shutil.which("ccache")) else []
-        env = {**os.environ, "CCACHE_BASEDIR": str(source_root), "CCACHE_NOHASHDIR": "1"}
-
-        def compile_one(src):
-            obj = out / (src.stem + ".o")
-            subprocess.run([*launcher, cxx, *flags, "-x", "c++", "-c", str(src.relative_to(source_root)), "-o", str(obj)],
-                           check=True, cwd=source_root, env=env)
-            return str(obj)
-
-        with ThreadPoolExecutor(2) as pool:
-            objects = list(pool.map(compile_one, sources))
-        _built[key] = out / "libfkemu.so"
-        subprocess.run([cxx, "-shared", *SANITIZER_FLAGS, *objects, "-o", str(_built[key])], check=True)
+        missing_tool("g++")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the directory every worker's basetemp is in
+    digest = hashlib.sha1(f"{backend} {source_root} {SANITIZER}".encode()).hexdigest()[:12]
+    out = root / f"emu-{backend}-{digest}"
+    library = out / "libfkemu.so"
+    with FileLock(str(out) + ".lock"):
+        if not library.exists():
+            compile_library(out, backend, source_root, cxx)
     so = tmp_path_factory.mktemp(f"emu-{backend}") / "libfkemu.so"
-    shutil.copyfile(_built[key], so)
+    shutil.copyfile(library, so)
     return declare(ctypes.CDLL(str(so)))
+
+
+def compile_library(out, backend, source_root, cxx):
+    out.mkdir(parents=True, exist_ok=True)
+    # hidden: the emulator's state is the library's own, however many are loaded
+    flags = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-DFK_EMULATE", "-Icsrc/include", *SANITIZER_FLAGS]
+    if backend == "hip":
+        flags.append("-DFK_EMULATE_HIP")  # matrix_unit(): MFMA on wave64, plain arithmetic on wave32
+    pattern = "*.cu" if backend == "cuda" else "*.hip"
+    sources = sorted((source_root / "csrc" / backend).glob(pattern)) + [source_root / "tests" / "emu" / "emu_ops.cpp"]
+    # ccache, with paths relative to source_root: the sanitizer runs and mutants of
+    # tests/test_emulator_checks.py (each its own copy of csrc/) rebuild only what their change touches
+    launcher = [ccache] if (ccache := shutil.which("ccache")) else []
+    env = {**os.environ, "CCACHE_BASEDIR": str(source_root), "CCACHE_NOHASHDIR": "1"}
+
+    def compile_one(src):
+        obj = out / (src.stem + ".o")
+        subprocess.run([*launcher, cxx, *flags, "-x", "c++", "-c", str(src.relative_to(source_root)), "-o", str(obj)],
+                       check=True, cwd=source_root, env=env)
+        return str(obj)
+
+    with ThreadPoolExecutor(2) as pool:
+        objects = list(pool.map(compile_one, sources))
+    partial = out / "libfkemu.so.partial"  # renamed when whole: a library that exists is complete
+    subprocess.run([cxx, "-shared", *SANITIZER_FLAGS, *objects, "-o", str(partial)], check=True)
+    partial.rename(out / "libfkemu.so")
 
 
 def declare(lib):

@@ -8,9 +8,8 @@ that each one bites:
                dropped (TSan, and the seeded schedule without it), a read past a row (ASan), the
                shared-memory opt-in skipped and 1025 threads launched (the launch limits)
 Each run is a pytest of tests/test_emulated_kernels.py in a subprocess (a sanitizer's runtime must be
-loaded first), with another schedule seed than the main run's. They run one after another in a
-background thread that starts as soon as this module is collected (conftest.py), so that they use
-the second core while the rest of the suite runs on the first; each test waits for its own run.
+loaded first), with its own schedule seed. Each is one test, so pytest-xdist spreads them over the
+cores with the rest of the suite; conftest.py hands them out first, being the longest.
 """
 
 import os
@@ -19,15 +18,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_limit
+from conftest import missing_tool, subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
-pytestmark = pytest.mark.skipif(CXX is None, reason="no g++")
+
+
+@pytest.fixture(autouse=True)
+def _needs_gxx():
+    if CXX is None:
+        missing_tool("g++")
 
 
 def runtime(name):
@@ -45,9 +48,10 @@ SANITIZERS = {  # FK_EMU_SANITIZER -> environment of the run; the exit code tell
 EXIT_CODE = {"thread": 66, "address": 67}
 
 
-def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp=None, marker=False):
-    """Starts tests/test_emulated_kernels.py (-k selection, or -m when `marker`) in a subprocess; returns
-    the Popen (stdout: the log)."""
+def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp=None, marker=False, workers=1):
+    """Starts tests/test_emulated_kernels.py (-k selection, or -m when `marker`) in a subprocess, on `workers`
+    pytest-xdist workers (a sanitizer's report then fails the run as a crashed worker); returns the Popen
+    (stdout: the log)."""
     env = {**os.environ, "FK_EMU_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("LD_PRELOAD", None)
     if sanitizer:
@@ -59,7 +63,18 @@ def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp
                str(ROOT / "tests" / "test_emulated_kernels.py")]
     if selection:
         command += ["-m" if marker else "-k", selection]
+    if workers > 1:
+        command += ["-n", str(workers)]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture
+def scratch():
+    """A directory for one run's copy of the sources, its build and its pytest, removed after (gigabytes over
+    the module, which tmp_path would keep)."""
+    tmp = Path(tempfile.mkdtemp(prefix="flashkern-emulator-"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def finish(run, alone_seconds=300):
@@ -70,18 +85,31 @@ def finish(run, alone_seconds=300):
 # ---------------------------------------------------------------- every kernel under each sanitizer
 
 
+# What the ASan run leaves out of the emulated-kernel module (-k): the wave32 launchers (CI time: the kernels'
+# indexing at 32 lanes a warp is the CUDA build's) and the batch-invariance tests (no kernel path of their own).
+# A whole suite's run leaves what the ASan run covers out of its own (conftest.py): those tests run once, under ASan.
+ASAN_LEAVES_OUT = ("hip-wave32", "batch_invariant")
+
+
+def covered_by_asan(item):
+    """An emulated-kernel test that the ASan run runs (the -k selection below, by the same names)."""
+    return item.path.name == "test_emulated_kernels.py" and not any(name in item.nodeid for name in ASAN_LEAVES_OUT)
+
+
 def sanitized(sanitizer, tmp):
-    """The emulated-kernel module under ASan, but for the wave32 launchers (CI time: the kernels' indexing at
-    32 lanes a warp is the CUDA build's); under TSan the tests marked for it (every kernel and path, small:
-    TSan pays for a thread per GPU thread per block)."""
+    """The emulated-kernel module under ASan, but for ASAN_LEAVES_OUT; under TSan the tests marked for it (every
+    kernel and path, small: TSan pays for a thread per GPU thread per block)."""
     seed = {"address": 3, "thread": 2}[sanitizer]
-    return finish(emulated_tests("not hip-wave32 and not batch_invariant" if sanitizer == "address" else "tsan", sanitizer, seed, tmp=tmp,
-                                 marker=sanitizer == "thread"))
+    selection = " and ".join(f"not {name}" for name in ASAN_LEAVES_OUT) if sanitizer == "address" else "tsan"
+    # on workers of their own (CI time: the two longest runs of the suite; TSan's three every-kernel tours, one
+    # a launcher build, are its most part), so that neither is the last test left
+    workers = {"address": 2, "thread": 3}[sanitizer]
+    return finish(emulated_tests(selection, sanitizer, seed, tmp=tmp, marker=sanitizer == "thread", workers=workers))
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address"])
-def test_kernels_under_sanitizer(sanitizer):
-    code, log = start()[("sanitizer", sanitizer)].result()
+def test_kernels_under_sanitizer(sanitizer, scratch):
+    code, log = sanitized(sanitizer, scratch)
     assert code == 0, log[-6000:]
     assert re.search(r"\d+ passed", log), log[-2000:]
 
@@ -248,9 +276,9 @@ def mutant_run(mutant, tmp):
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_mutant_is_caught(mutant):
+def test_mutant_is_caught(mutant, scratch):
     sanitizer, expected = MUTANTS[mutant][3], MUTANTS[mutant][5]
-    code, log = start()[("mutant", mutant)].result()
+    code, log = mutant_run(mutant, scratch)
     assert code is not None, log
     # a failed test, a sanitizer's report or the emulator's own abort (a fault on a GPU)
     caught = r"\d+ (passed|failed)|Sanitizer|flashkern emulation: "
@@ -258,29 +286,3 @@ def test_mutant_is_caught(mutant):
     if sanitizer:
         assert code == EXIT_CODE[sanitizer], log[-4000:]
     assert re.search(expected, log), f"{mutant}: no {expected!r} in\n{log[-4000:]}"
-
-
-# ---------------------------------------------------------------- the background runs
-
-_runs = {}
-
-
-def in_temporary_directory(job, name):
-    tmp = Path(tempfile.mkdtemp(prefix="flashkern-emulator-"))
-    try:
-        return job(name, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def start():
-    """Starts every run of this module, once, one after another in a background thread:
-    {(kind, name): Future of (exit code, log)}. conftest.py calls it when this module is collected."""
-    if not _runs:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="emulator-checks")
-        jobs = [(("sanitizer", s), sanitized, s) for s in ("address", "thread")]
-        jobs += [(("mutant", m), mutant_run, m) for m in sorted(MUTANTS)]
-        for key, job, name in jobs:
-            _runs[key] = pool.submit(in_temporary_directory, job, name)
-        pool.shutdown(wait=False)
-    return _runs
