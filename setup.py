@@ -92,9 +92,11 @@ class BuildKernelsThenExtension(BuildExtension):
         build = ROOT / "build" / name
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         start = time.time()
+        # ccache keys with paths relative to the tree: another copy of it (scripts/check_oldest_torch.sh's) hits
+        env = {**os.environ, "CCACHE_BASEDIR": str(ROOT), "CCACHE_NOHASHDIR": "1"}
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                               *options])
-        subprocess.check_call(["cmake", "--build", str(build), "--parallel", jobs])
+                               *options], env=env)
+        subprocess.check_call(["cmake", "--build", str(build), "--parallel", jobs], env=env)
         print(f"flashkern: {name} built in {time.time() - start:.1f} s", flush=True)
         return build
 

@@ -3,8 +3,9 @@
 # flashkern against it in a throw-away virtualenv, from a copy of the tracked tree, then imports it and runs
 # the CPU tests of the norms and the op registration. Run by .ci/run after the main set-up (it borrows the
 # CUDA libraries of .venv's torch wheels, which torch needs to import even on a machine without a GPU).
-# The build is the CUDA backend for one architecture, without the emulator modules: the glue that includes
-# torch's headers is what differs between torch versions.
+# The build is the CUDA backend without the emulator modules: the glue that includes torch's headers is what
+# differs between torch versions. The kernels, torch-free, are setup.sh's build's: the same architectures and
+# flags, so ccache (keyed on paths relative to the tree, setup.py) hands back its objects.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FLOOR=$(sed -n 's/.*"torch>=\([0-9.]*\)".*/\1/p' setup.py)
@@ -19,7 +20,7 @@ pip install filelock typing-extensions sympy networkx jinja2 fsspec numpy pytest
 site=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 .venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$site/zz_cuda_libs.pth"
 [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
-(cd "$WORK/src" && FLASHKERN_BUILD_EMULATE=0 FLASHKERN_CUDA_ARCHS=90-real PATH="$WORK/venv/bin:$PATH" \
+(cd "$WORK/src" && FLASHKERN_BUILD_EMULATE=0 PATH="$WORK/venv/bin:$PATH" \
   "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q install --no-build-isolation --no-deps .)
 (cd "$WORK/src" && FLASHKERN_TEST_EMULATE= "$WORK/venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_norm.py tests/test_ops_registration.py -k "not gradcheck" | tail -3)
