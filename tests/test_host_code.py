@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import missing_tool
 
 import flashkern.ref.activation as ref_act
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def lib(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        pytest.skip("no host C++ compiler")
+        missing_tool("a host C++ compiler")
     so = tmp_path_factory.mktemp("host") / "libfkhost.so"
     subprocess.run(
         [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{ROOT / 'csrc' / 'include'}",
