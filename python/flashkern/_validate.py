@@ -710,6 +710,35 @@ def check_vector_rows(op, name, t, addresses=True):
                          f"8 elements, got strides {t.stride()}")
 
 
+def check_kv_scale_number(op, name, value):
+    """An fp8 cache's k_scale / v_scale (or any cache's, as a number): a number > 0 that is finite in float32
+    (the kernels' scale), as a float. ValueError otherwise (0 would divide by zero, a negative flip signs)."""
+    f = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            f = torch.tensor(float(value), dtype=torch.float32).item()  # past float32's range: inf
+        except OverflowError:
+            f = math.inf
+    if not (math.isfinite(f) and f > 0):
+        raise ValueError(f"{op}: {name} must be None or a finite number > 0 (in float32), or for an fp8 cache a "
+                         f"float tensor of scales, got {value!r}")
+    return float(value)
+
+
+def check_kv_scale_values(op, name, t):
+    """A tensor of fp8 scales: on the host (a CPU tensor) every element must be > 0 and finite in float32,
+    else ValueError. A GPU tensor is not read (that would need a host synchronization): the kernels give
+    NaN for what a bad scale touches (numeric.h: checked_scale), the rows of its head."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling() or not t.numel():
+        return
+    f = t.detach().to(torch.float32)
+    bad = ~(torch.isfinite(f) & (f > 0))
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0])
+        raise ValueError(f"{op}: {name} must hold numbers > 0 that are finite in float32, got "
+                         f"{f.reshape(-1)[i].item()} at index {i}")
+
+
 def _check_scale(op, name, t, value, cache):
     if t is not None:
         check_tensor(op, name, t)
