@@ -802,34 +802,39 @@ def check_append_paged_kv_cache(append_key, append_value, batch_indices, positio
 def check_append_targets(op, batch_indices, positions, kv_indptr, kv_indices, num_pages, page_size):
     """What the kernel cannot check without the host reading device memory (it skips such a token): each
     token's request in [0, batch), its position >= 0 and within its request's pages, its page in
-    [0, num_pages). Host tensors only (the CPU reference)."""
-    if not batch_indices.numel():
+    [0, num_pages). A token of batch index -1 is padding (get_batch_indices_positions' entries past the
+    batch): skipped by the kernel and the reference alike, not checked. Host tensors only (the CPU reference)."""
+    real = batch_indices.long() != -1
+    b, pos = batch_indices.long()[real], positions.long()[real]
+    if not b.numel():
         return
-    b, pos = batch_indices.long(), positions.long()
+    tokens = real.nonzero()[:, 0]  # the real tokens' indices, for the messages
     indptr, indices = kv_indptr.long(), kv_indices.long()
     batch = indptr.shape[0] - 1
     bad = (b < 0) | (b >= batch)
     if bad.any():
         i = int(bad.nonzero()[0])
         raise ValueError(f"{op}: batch_indices must lie in [0, {batch}) (the requests of kv_indptr), got "
-                         f"{int(b[i])} for token {i}")
+                         f"{int(b[i])} for token {int(tokens[i])}")
     if (pos < 0).any():
         i = int((pos < 0).nonzero()[0])
-        raise ValueError(f"{op}: positions must be >= 0, got {int(pos[i])} for token {i}")
+        raise ValueError(f"{op}: positions must be >= 0, got {int(pos[i])} for token {int(tokens[i])}")
     pages = indptr[b + 1] - indptr[b]
     past = pos // page_size >= pages
     if past.any():
         i = int(past.nonzero()[0])
-        raise ValueError(f"{op}: token {i}'s position {int(pos[i])} is past the pages of request {int(b[i])} "
-                         f"({max(int(pages[i]), 0)} pages of {page_size}); kv_indptr, kv_indices and "
+        raise ValueError(f"{op}: token {int(tokens[i])}'s position {int(pos[i])} is past the pages of request "
+                         f"{int(b[i])} ({max(int(pages[i]), 0)} pages of {page_size}); kv_indptr, kv_indices and "
                          f"kv_last_page_len must already hold the appended tokens")
     entry = indptr[b] + pos // page_size
     outside = (entry < 0) | (entry >= indices.shape[0])
     if outside.any():
         i = int(outside.nonzero()[0])
-        raise ValueError(f"{op}: kv_indptr points past kv_indices ({indices.shape[0]} entries) for token {i}")
+        raise ValueError(f"{op}: kv_indptr points past kv_indices ({indices.shape[0]} entries) for token "
+                         f"{int(tokens[i])}")
     page = indices[entry]
     wrong = (page < 0) | (page >= num_pages)
     if wrong.any():
         i = int(wrong.nonzero()[0])
-        raise ValueError(f"{op}: kv_indices must name pages in [0, {num_pages}), got {int(page[i])} for token {i}")
+        raise ValueError(f"{op}: kv_indices must name pages in [0, {num_pages}), got {int(page[i])} for token "
+                         f"{int(tokens[i])}")
