@@ -250,3 +250,100 @@ def test_kv_scores_refuses_an_fp8_cache(device):
     wrapper, q, cache = planned_decode(device)
     with pytest.raises(ValueError, match="kv_scores .* reads a 16-bit cache"):
         wrapper.run(q, cache, kv_scores=torch.zeros(cache.shape[0], 2, 16, device=device))
+
+
+# ---- issue 41: the scales' values, and a per-head v_scale under the ragged wrapper ----
+
+BAD_SCALES = [0.0, -0.5, float("inf"), float("nan")]
+
+
+def planned_paged_prefill(device, qo_lens=(3, 70), kv_lens=(20, 90), kv_dtype=torch.float8_e4m3fn, seed=9):
+    """A paged prefill plan over an fp8 cache (2 KV heads, group 2, head_dim 64): 16- and 64-row tiles."""
+    stored = [(k.to(kv_dtype).double(), v.to(kv_dtype).double())
+              for k, v in random_kv(list(kv_lens), 2, 64, seed=seed)]
+    cache, kv_indptr, kv_indices, last = paged(stored, 16, "NHD", kv_dtype, device, seed=seed)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace(device))
+    wrapper.plan(indptr(list(qo_lens)), kv_indptr, kv_indices, last, 4, 2, 64, 16, causal=True,
+                 q_data_type=torch.float16, kv_data_type=kv_dtype)
+    return wrapper, rand((sum(qo_lens), 4, 64), torch.float16, device, seed=seed + 1), cache
+
+
+def planned_cascade(device):
+    cache, kv_indptr, kv_indices, last = paged(random_kv([20, 5], 2, 64), 16, "NHD", torch.float8_e4m3fn, device)
+    wrapper = MultiLevelCascadeAttentionWrapper(1, workspace(device))
+    wrapper.plan([i32([0, 1, 2])], [kv_indptr], [kv_indices], [last], 4, 2, 64, 16, q_data_type=torch.float16,
+                 kv_data_type=torch.float8_e4m3fn)
+    return wrapper, rand((2, 4, 64), torch.float16, device), cache
+
+
+WRAPPERS = {"decode": planned_decode, "paged prefill": planned_paged_prefill, "cascade": planned_cascade}
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_bad_scales_raise_before_any_write(device, name, bad):
+    """k_scale / v_scale of 0, a negative number, inf or NaN (as a number, or in a CPU tensor of scales, which
+    the host reads): ValueError, out and lse untouched; the same numbers as append_paged_kv_cache refuses."""
+    wrapper, q, cache = WRAPPERS[name](device)
+    out, lse = poisoned(q.shape, torch.float16, device), poisoned(q.shape[:2], torch.float32, device)
+    for scale in (bad, torch.tensor([1.0, bad])):
+        for which in ("k_scale", "v_scale"):
+            with pytest.raises(ValueError, match=rf"{which} must (be None or a finite number > 0|hold numbers > 0)"):
+                wrapper.run(q, cache, out=out, lse=lse, **{which: scale})
+            assert out.isnan().all() and lse.isnan().all()
+
+
+def test_bad_scale_numbers_single_request(device):
+    k = rand((5, 2, 64), torch.float16, device).to(torch.float8_e4m3fn)
+    q = rand((3, 4, 64), torch.float16, device)
+    for f in (lambda **s: flashkern.single_prefill_with_kv_cache(q, k, k, **s),
+              lambda **s: flashkern.single_decode_with_kv_cache(q[0], k, k, **s)):
+        with pytest.raises(ValueError, match="k_scale must be None or a finite number > 0"):
+            f(k_scale=0.0)
+        with pytest.raises(ValueError, match="v_scale must be None or a finite number > 0"):
+            f(v_scale=-1.0)
+
+
+@pytest.fixture
+def device_scales(monkeypatch):
+    """Scale tensors as on a GPU: not read on the host (the check of a CPU tensor's values is taken away), so
+    the op, the kernels or the reference, gets the bad scales."""
+    from flashkern import _paged_attention, page
+
+    monkeypatch.setattr(_paged_attention, "check_kv_scale_values", lambda *args: None)
+    monkeypatch.setattr(page, "check_kv_scale_values", lambda *args: None)
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_bad_scale_tensor_gives_nan_rows(device, device_scales, name, bad):
+    """What a GPU does with a scale tensor it cannot check without a host sync: the rows of the head whose
+    k_scale or v_scale is bad come out NaN (never plausible numbers); the other head's rows are as with good
+    scales. KV head 1 here: q heads 2 and 3."""
+    wrapper, q, cache = WRAPPERS[name](device)
+    good = torch.tensor([0.75, 1.25], device=device)
+    want = wrapper.run(q, cache, k_scale=good, v_scale=good)
+    assert not want.isnan().any()
+    for which in ("k_scale", "v_scale"):
+        scales = {"k_scale": good, "v_scale": good, which: torch.tensor([0.75, bad], device=device)}
+        got = wrapper.run(q, cache, **scales)
+        assert got[:, 2:].isnan().all(), f"{which}={bad}: head 1's rows are not NaN"
+        assert torch.equal(got[:, :2], want[:, :2])
+
+
+def test_ragged_prefill_takes_a_per_head_v_scale(device):
+    """A per-head v_scale tensor over an fp8 ragged KV (it was refused: "a tensor of scales needs an fp8 KV
+    cache"), with o_scale on top; the oracle scales each head's values."""
+    qo_lens, kv_lens, kv_heads, group, head_dim = [7, 70], [7, 90], 2, 2, 64
+    (k_s, v_s), (k_run, v_run) = scales(kv_heads, True, seed=11)
+    stored, exact = quantized(random_kv(kv_lens, kv_heads, head_dim, seed=11), torch.float8_e4m3fn, k_s, v_s)
+    k = torch.cat([k for k, _ in stored]).to(device=device, dtype=torch.float8_e4m3fn)
+    v = torch.cat([v for _, v in stored]).to(device=device, dtype=torch.float8_e4m3fn)
+    q = rand((sum(qo_lens), kv_heads * group, head_dim), torch.float16, device, seed=12)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace(device))
+    wrapper.plan(indptr(qo_lens), indptr(kv_lens), kv_heads * group, kv_heads, head_dim, causal=True,
+                 q_data_type=torch.float16, kv_data_type=torch.float8_e4m3fn)
+    out, lse = wrapper.run(q, k, v, k_scale=k_run.to(device), v_scale=v_run.to(device), o_scale=0.5,
+                           return_lse=True)
+    o, s = expected_batch(q, exact, qo_lens, True)
+    check(out, lse, (o * 0.5, s), torch.float16)

@@ -301,6 +301,24 @@ def test_bad_input(device):
     assert int(table.kv_indptr[-1]) == 5 and int(table.kv_last_page_len[0]) == 4
 
 
+def test_budget_and_policy_numbers_must_be_ints(device):
+    """A float budget tensor was truncated (2.7 kept 2, while the float 2.5 is a TypeError); StreamingLLM took
+    sinks=2.5 (compress() failed later, bare) and sinks='4' failed in a bare comparison."""
+    cache, indptr, indices, last = paged(random_kv([20], 1, 64, 2), 4, "NHD", torch.float16, device, seed=2)
+    scores = torch.zeros(cache.shape[0], 1, 4, device=device)
+    args = (indptr.to(device), indices.to(device), last.to(device))
+    for budget in (torch.tensor([2.7]), torch.tensor([True]), 2.5):
+        with pytest.raises(TypeError, match="budget must be an int or one int per request"):
+            select_keys(scores, *args, budget)
+    kept, _ = select_keys(scores, *args, torch.tensor([3]))
+    assert kept.shape[0] == 3
+    for sinks in (2.5, "4", True):
+        with pytest.raises(TypeError, match="StreamingLLM: sinks must be an int"):
+            StreamingLLM(sinks=sinks)
+    with pytest.raises(TypeError, match="StreamingLLM: window must be an int"):
+        StreamingLLM(window=8.0)
+
+
 def test_h2o_policy_moves_scores(device):
     lengths = [50]
     cache, indptr, indices, last = paged(random_kv(lengths, 2, 64, 1), 8, "NHD", torch.float16, device, seed=1)

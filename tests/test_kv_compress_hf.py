@@ -155,3 +155,22 @@ def test_kv_compression_needs_flashkern_attention(restore_rope):
         apply_flashkern(make_model(), kv_compression=SnapKV(ratio=0.5))
     with pytest.raises(TypeError, match="kv_compress policy"):
         apply_flashkern(make_model(), attention=True, kv_compression="snapkv")
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_kv_compression_checks_the_model_up_front(device, head_dim, restore_rope):
+    """A float32 model of head_dim 16 or 32: flashkern's attention runs it, its compression kernels do not. The
+    compression is left off, with the reason under "skipped" and in the warning, and model(ids) runs (it
+    failed inside the forward: "kv_scores: head_dim must be 64, 128 or 256")."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "head_dim": head_dim})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.warns(UserWarning, match=f"kv_compression \\(head_dim {head_dim}: KV compression's kernels take"):
+        replaced = apply_flashkern(model, attention=True, kv_compression=SnapKV(ratio=0.5, window=8))
+    assert replaced["attention"] and not replaced["kv_compression"]
+    assert "64, 128 or 256" in replaced["skipped"]["kv_compression"]
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(5))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    assert cache.layers[0].keys.shape[2] == 24  # the whole prompt: nothing compressed

@@ -199,7 +199,8 @@ def test_flashinfer_example(device):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_get_batch_indices_positions(device, lengths, seq_lens, index_dtype):
     """Entry i of request b sits at seq_lens[b] - (append_indptr[b + 1] - i); entries past append_indptr[-1]
-    (nnz larger) get -1."""
+    (nnz larger) are padding: batch index -1 and position 0, as FlashInfer's; FlashInfer's batch_indices= and
+    positions= outputs are written in place and returned."""
     indptr = [0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()
     want_b, want_p = [], []
     for b in range(len(lengths)):
@@ -212,7 +213,13 @@ def test_get_batch_indices_positions(device, lengths, seq_lens, index_dtype):
                                                    indptr[-1] + extra)
         assert got_b.dtype == got_p.dtype == I32
         assert got_b.cpu().tolist() == want_b + [-1] * extra
-        assert got_p.cpu().tolist() == want_p + [-1] * extra
+        assert got_p.cpu().tolist() == want_p + [0] * extra
+        out_b, out_p = (torch.full((indptr[-1] + extra,), 7, dtype=I32, device=device) for _ in range(2))
+        back = get_batch_indices_positions(torch.tensor(indptr, dtype=index_dtype, device=device),
+                                           torch.tensor(seq_lens, dtype=index_dtype, device=device),
+                                           indptr[-1] + extra, batch_indices=out_b, positions=out_p)
+        assert back[0] is out_b and back[1] is out_p
+        assert out_b.cpu().tolist() == want_b + [-1] * extra and out_p.cpu().tolist() == want_p + [0] * extra
 
 
 def test_int64_indices_and_positions_are_taken(device):
@@ -435,3 +442,97 @@ def test_torch_compile_fullgraph(device, cache_dtype):
     expected = step(cache.clone(), kv, scale)
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(cache.clone(), kv, scale)
     assert torch.equal(bits(got.cpu()), bits(expected.cpu()))
+
+
+# ---- issue 41 ----
+
+
+@pytest.mark.parametrize("append_indptr,seq_lens,match", [
+    ([0, 3, 2], [4, 4], r"append_indptr must start at 0 and be non-decreasing"),
+    ([1, 2, 3], [4, 4], r"append_indptr must start at 0 and be non-decreasing"),
+    ([0, 2, 5], [4, 2], r"seq_lens\[1\] = 2 is shorter than the 3 entries request 1 appends"),
+])
+def test_batch_positions_refuse_a_bad_table(device, append_indptr, seq_lens, match):
+    """A decreasing append_indptr, one not starting at 0, or seq_lens shorter than the appended count (which
+    gave negative positions): ValueError on the host (these tensors are on the CPU)."""
+    with pytest.raises(ValueError, match=match):
+        get_batch_indices_positions(i32(append_indptr, device), i32(seq_lens, device), 5)
+
+
+def test_batch_positions_outputs_are_checked_before_writing(device):
+    out_b, out_p = i32([7] * 3, device), i32([7] * 4, device)
+    with pytest.raises(ValueError, match=r"positions must be an int32 tensor of shape \(3,\)"):
+        get_batch_indices_positions(i32([0, 3], device), i32([3], device), 3, batch_indices=out_b, positions=out_p)
+    assert out_b.tolist() == [7] * 3
+    with pytest.raises(ValueError, match=r"batch_indices must be an int32 tensor"):
+        get_batch_indices_positions(i32([0, 3], device), i32([3], device), 3, batch_indices=out_b.long())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_padding_is_skipped_on_every_backend(device, cache_dtype):
+    """What get_batch_indices_positions returns past the batch (batch index -1, position 0) appends nothing,
+    on the reference as in the kernels (the reference refused it)."""
+    a = small(device, cache_dtype)
+    b, pos = get_batch_indices_positions(i32([0, 3], device), i32([3], device), 5)
+    assert b.tolist() == [0, 0, 0, -1, -1]
+    kv = rand((5, 2, 16), torch.float16, device, seed=3)
+    cache = a["paged_kv_cache"]
+    want = oracle(cache, "NHD", kv[:3], -kv[:3], b[:3], pos[:3], a["kv_indptr"], a["kv_indices"], 1.0, 1.0)
+    append_paged_kv_cache(**replace(a, append_key=kv, append_value=-kv, batch_indices=b, positions=pos))
+    assert torch.equal(bits(cache.cpu()), bits(want))
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan")])
+def test_bad_scale_tensor_on_the_host_raises(device, bad):
+    """A CPU tensor of scales is checked on the host: ValueError, the cache untouched (it got saturated,
+    sign-flipped or NaN codes)."""
+    a = small(device, torch.float8_e4m3fn)
+    before = a["paged_kv_cache"].clone()
+    for which in ("k_scale", "v_scale"):
+        with pytest.raises(ValueError, match=rf"{which} must hold numbers > 0 that are finite in float32"):
+            append_paged_kv_cache(**a, **{which: torch.tensor([1.0, bad], device=device)})
+        assert torch.equal(bits(a["paged_kv_cache"]), bits(before))
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan")])
+def test_bad_scale_tensor_gives_nan_codes(device, bad, monkeypatch):
+    """A scale tensor as on a GPU (not read on the host): the op, kernel or reference, writes NaN codes for the
+    head whose scale is bad, and the other head's codes as with a good scale."""
+    from flashkern import page
+
+    monkeypatch.setattr(page, "check_kv_scale_values", lambda *args: None)
+    a = small(device, torch.float8_e5m2)
+    good = a["paged_kv_cache"].clone()
+    append_paged_kv_cache(**replace(a, paged_kv_cache=good), k_scale=torch.tensor([0.5, 0.5], device=device),
+                          v_scale=torch.tensor([0.5, 0.5], device=device))
+    for which in ("k_scale", "v_scale"):
+        cache = a["paged_kv_cache"].clone()
+        scales = {"k_scale": torch.tensor([0.5, 0.5], device=device), "v_scale": torch.tensor([0.5, 0.5], device=device),
+                  which: torch.tensor([0.5, bad], device=device)}
+        append_paged_kv_cache(**replace(a, paged_kv_cache=cache), **scales)
+        kv = 0 if which == "k_scale" else 1
+        written = cache[[3, 1], kv].reshape(4, 2, 16)[:3]  # pages 3 and 1 hold positions 0..2
+        assert written[:, 1].float().isnan().all()
+        assert torch.equal(bits(written[:, 0]), bits(good[[3, 1], kv].reshape(4, 2, 16)[:3, 0]))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_codes_into_an_fp8_cache(device, cache_dtype, layout):
+    """fp8 keys and values into a cache of their dtype (how FlashInfer's callers fill an fp8 cache): the codes
+    copied bit for bit (they were refused with a TypeError); the quantizing 16-bit path stays."""
+    x = rand((3, 2, 16), torch.float32, device, scale=4.0, seed=5)
+    a = small(device, cache_dtype, layout=layout)
+    codes_k, codes_v = x.to(cache_dtype), (-x).to(cache_dtype)
+    cache = a["paged_kv_cache"]
+    want = oracle(cache, layout, codes_k, codes_v, a["batch_indices"], a["positions"], a["kv_indptr"],
+                  a["kv_indices"], 1.0, 1.0)
+    append_paged_kv_cache(**replace(a, append_key=codes_k, append_value=codes_v))
+    assert torch.equal(bits(cache.cpu()), bits(want))
+    with pytest.raises(ValueError, match=r"fp8 ones are copied as they are"):
+        append_paged_kv_cache(**replace(a, append_key=codes_k, append_value=codes_v), k_scale=2.0)
+    other = torch.float8_e5m2 if cache_dtype == torch.float8_e4m3fn else torch.float8_e4m3fn
+    with pytest.raises(TypeError, match=r"fp8 keys and values are copied into a cache of their own dtype"):
+        append_paged_kv_cache(**replace(a, append_key=x.to(other), append_value=x.to(other)))
+    with pytest.raises(TypeError, match=r"fp8 keys and values are copied into a cache of their own dtype"):
+        append_paged_kv_cache(**replace(small(device), append_key=codes_k, append_value=codes_v))

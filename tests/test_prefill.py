@@ -198,6 +198,25 @@ def test_tree_mask_paged(device):
     check(out, lse, expected_batch(q, rounded(kvs, torch.bfloat16), [7, 7], masks=masks), torch.bfloat16)
 
 
+def test_flashinfer_run_keywords_of_its_trtllm_kernels(device):
+    """FlashInfer's paged prefill run() has use_fp16_softmax and uses_spcompress: taken as None or False (they
+    were refused even as None); a value flashkern cannot honour is a ValueError, out untouched."""
+    kvs = random_kv([30, 9], 2, 64, 8)
+    cache, kv_indptr, kv_indices, last = paged(kvs, 16, "NHD", torch.float16, device, seed=8)
+    q = rand((6, 4, 64), torch.float16, device, seed=9)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace(device))
+    wrapper.plan(i32([0, 4, 6]), kv_indptr, kv_indices, last, 4, 2, 64, 16, causal=True, q_data_type=torch.float16)
+    want = wrapper.run(q, cache)
+    for value in (None, False):
+        got = wrapper.run(q, cache, use_fp16_softmax=value, uses_spcompress=value)
+        assert torch.equal(got, want)
+    out = torch.zeros_like(want)
+    for name in ("use_fp16_softmax", "uses_spcompress"):
+        with pytest.raises(ValueError, match=f"{name}=True is not supported by flashkern"):
+            wrapper.run(q, cache, out=out, **{name: True})
+        assert not out.any()
+
+
 def test_packing_matches_numpy():
     masks = random_masks([3, 5, 1], [7, 2, 9], 8)
     flat = torch.cat([m.reshape(-1) for m in masks])

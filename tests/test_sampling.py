@@ -183,6 +183,19 @@ def test_seeds_repeat(device):
     assert torch.equal(per_row, draw(seed=torch.arange(8, device=device) + 123, offset=torch.full((8,), 4, device=device)))
 
 
+def test_seed_past_64_bits_is_refused(device):
+    """A seed or offset past 64 bits wrapped (2^64 + 123 drew seed 123's tokens): ValueError. 2^64 - 1 (a
+    uint64's largest) and -2^63 are taken."""
+    probs = torch.stack([distribution(50, seed=s, ties=False) for s in range(2)]).to(device)
+    for bad in (2**64, 2**64 + 123, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"seed must fit 64 bits \(in \[-2\^63, 2\^64\)\)"):
+            flashkern.sampling_from_probs(probs, seed=bad, offset=0)
+        with pytest.raises(ValueError, match=r"offset must fit 64 bits"):
+            flashkern.sampling_from_probs(probs, seed=1, offset=bad)
+    for fine in (2**64 - 1, -(2**63)):
+        flashkern.sampling_from_probs(probs, seed=fine, offset=0)
+
+
 def test_seed_per_row_is_a_request_of_its_own(device):
     """With a [batch] seed (a serving engine's per-request seeds), a row's token depends on its own seed,
     offset and probabilities only: the same at any position, in any batch, alone."""

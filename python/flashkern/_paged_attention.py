@@ -24,6 +24,9 @@ from ._validate import (
     check_aligned,
     check_batch_attention,
     check_head_dim,
+    check_kv_scale_number,
+    check_kv_scale_values,
+    check_kv_scores,
     check_positive_int,
     check_tensor,
 )
@@ -139,10 +142,14 @@ def attention_dtype(op, name, value, default=None):
 
 def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
     """FlashInfer's k_scale / v_scale as (a number, a [num_kv_heads] float32 tensor or None): None (1), a
-    finite number (folded into sm_scale / the output by the caller), or, for an fp8 cache, a float tensor
-    of 1 or num_kv_heads elements on the cache's device (read by the kernels: no host sync)."""
+    number > 0 finite in float32 (folded into sm_scale / the output by the caller), or, for an fp8 cache, a
+    float tensor of 1 or num_kv_heads elements on the cache's device (read by the kernels: no host sync).
+    A tensor's values: checked here where it is on the CPU; on a GPU the kernels give NaN for the rows of
+    a head whose scale is not a positive finite number (numeric.h: checked_scale)."""
+    if value is None:
+        return 1.0, None
     if not isinstance(value, torch.Tensor):
-        return scale_factor(op, name, value), None
+        return check_kv_scale_number(op, name, value), None
     if kv_dtype not in FP8_DTYPES:
         raise ValueError(f"{op}: {name} as a tensor needs an fp8 kv_data_type (a 16-bit cache takes a number), "
                          f"got a tensor with a {kv_dtype} cache")
@@ -150,6 +157,7 @@ def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
             value.device != device:
         raise ValueError(f"{op}: {name} must be a number or a floating tensor of 1 or num_kv_heads ({num_kv_heads}) "
                          f"elements on {device}, got {value.dtype} of shape {tuple(value.shape)} on {value.device}")
+    check_kv_scale_values(op, name, value)
     return 1.0, value.to(torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
 
 
@@ -399,11 +407,12 @@ class PagedAttention:
             raise ValueError(f"{op}: window_left={window_left!r} differs from the plan's {planned}; plan again with it")
 
     def _run(self, op, q, paged_kv_cache, out, lse, sinks=None, q_scale=None, k_scale=None, v_scale=None,
-             sm_scale=None, pdl=False, logits_soft_cap=None, kv_layout=None, kv_scores=None):
+             sm_scale=None, pdl=False, logits_soft_cap=None, kv_layout=None, kv_scores=None, o_scale=None):
         """The planned attention of q (and FlashInfer's run() options: sinks [num_qo_heads], one sink
-        logit per head; q_scale and k_scale multiply sm_scale, v_scale the output; sm_scale and
+        logit per head; q_scale and k_scale multiply sm_scale, v_scale and o_scale the output; sm_scale and
         logits_soft_cap, if given, replace the plan's) into out / lse; kv_scores: H2O's running scores
-        (flashkern.kv_compress), to which each query's attention probabilities are added."""
+        (flashkern.kv_compress), to which each query's attention probabilities are added. Every check,
+        the score step's included, comes before the first write to out, lse or kv_scores."""
         info = self._plan_info
         if info is None:
             raise RuntimeError(f"{op}: call plan() before run()")
@@ -434,6 +443,7 @@ class PagedAttention:
         k_factor, k_scales = kv_scale_arg(op, "k_scale", k_scale, k.dtype, k.shape[2], k.device)
         out_scale, v_scales = kv_scale_arg(op, "v_scale", v_scale, k.dtype, k.shape[2], k.device)
         sm_scale *= scale_factor(op, "q_scale", q_scale) * k_factor
+        out_scale *= scale_factor(op, "o_scale", o_scale)
         sinks = sink_logits(op, sinks, info["num_qo_heads"], q.device)
         out = torch.empty(q.shape, dtype=info["o_dtype"], device=q.device) if out is None else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
@@ -447,24 +457,26 @@ class PagedAttention:
                 raise ValueError(f"{op}: kv_scores (H2O) reads a 16-bit cache; this one is {k.dtype}")
             check_head_dim(f"{op}: kv_scores (H2O)", info["head_dim"])
         score_tables = None if kv_scores is None else self._score_tables(op, kv_scores)
-        logits = None
-        if score_tables is not None and self._scores_from_logits(k, score_tables[-1]):
-            logits = torch.empty(*q.shape[:2], score_tables[-1], dtype=torch.float32, device=q.device)
+        logits, score_args = None, None
+        if score_tables is not None:
+            qo, kv_indptr, indices, last, max_kv_len = score_tables
+            if self._scores_from_logits(k, max_kv_len):
+                logits = torch.empty(*q.shape[:2], max_kv_len, dtype=torch.float32, device=q.device)
+            score_args = (q, lse, k, qo, kv_indptr, indices, last, kv_scores, max_kv_len, sm_scale, 1.0,
+                          info["causal"], info["window_left"], cap, True, logits)
+            check_score_args(op, score_args)
         args = (q, k, v, info["kv_indices"], self._workspace, out, lse, info["grid"], sm_scale, sinks, out_scale, pdl,
                 info["custom_mask"], cap, logits, k_scales, v_scales)
         if _backend.use_reference(q.device):
             _batch_attention_cpu(*args)
         else:
             _ops.batch_attention(*args)
-        if kv_scores is not None:
-            qo, kv_indptr, indices, last, max_kv_len = score_tables
-            args = (q, lse, k, qo, kv_indptr, indices, last, kv_scores, max_kv_len, sm_scale, 1.0, info["causal"],
-                    info["window_left"], cap, True, logits)
+        if score_args is not None:
             if _backend.use_reference(q.device):
                 from .kv_compress import _kv_scores_cpu
-                _kv_scores_cpu(*args)
+                _kv_scores_cpu(*score_args)
             else:
-                _ops.kv_scores(*args)
+                _ops.kv_scores(*score_args)
         return out, lse
 
     def _scores_from_logits(self, k_cache, max_kv_len):
@@ -515,6 +527,18 @@ class PagedAttention:
                           int(kv_len.max()) if batch else 0)
             info["score_device"] = tables
         return tables
+
+
+def check_score_args(op, args):
+    """The score step's checks (the kv_scores op's own) before the attention writes anything: a bad kv_scores
+    (dtype, shape, layout, device) or lse raises with out, lse and the scores untouched."""
+    q, lse, k, qo, kv_indptr, indices, last, scores, max_kv_len, sm_scale, scale, _, window_left, cap, _, logits = args
+    try:
+        check_kv_scores(q, lse, k, qo, kv_indptr, indices, last, scores, max_kv_len, sm_scale, scale, window_left,
+                        cap, addresses=not torch.compiler.is_compiling(), logits=logits)
+    except (ValueError, TypeError) as e:
+        message = str(e).removeprefix("kv_scores: ")
+        raise type(e)(f"{op}: kv_scores (H2O's running scores): {message}") from None
 
 
 def check_distinct_pages(op, kv_indptr, indices):

@@ -710,6 +710,35 @@ def check_vector_rows(op, name, t, addresses=True):
                          f"8 elements, got strides {t.stride()}")
 
 
+def check_kv_scale_number(op, name, value):
+    """An fp8 cache's k_scale / v_scale (or any cache's, as a number): a number > 0 that is finite in float32
+    (the kernels' scale), as a float. ValueError otherwise (0 would divide by zero, a negative flip signs)."""
+    f = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            f = torch.tensor(float(value), dtype=torch.float32).item()  # past float32's range: inf
+        except OverflowError:
+            f = math.inf
+    if not (math.isfinite(f) and f > 0):
+        raise ValueError(f"{op}: {name} must be None or a finite number > 0 (in float32), or for an fp8 cache a "
+                         f"float tensor of scales, got {value!r}")
+    return float(value)
+
+
+def check_kv_scale_values(op, name, t):
+    """A tensor of fp8 scales: on the host (a CPU tensor) every element must be > 0 and finite in float32,
+    else ValueError. A GPU tensor is not read (that would need a host synchronization): the kernels give
+    NaN for what a bad scale touches (numeric.h: checked_scale), the rows of its head."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling() or not t.numel():
+        return
+    f = t.detach().to(torch.float32)
+    bad = ~(torch.isfinite(f) & (f > 0))
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0])
+        raise ValueError(f"{op}: {name} must hold numbers > 0 that are finite in float32, got "
+                         f"{f.reshape(-1)[i].item()} at index {i}")
+
+
 def _check_scale(op, name, t, value, cache):
     if t is not None:
         check_tensor(op, name, t)
@@ -773,34 +802,39 @@ def check_append_paged_kv_cache(append_key, append_value, batch_indices, positio
 def check_append_targets(op, batch_indices, positions, kv_indptr, kv_indices, num_pages, page_size):
     """What the kernel cannot check without the host reading device memory (it skips such a token): each
     token's request in [0, batch), its position >= 0 and within its request's pages, its page in
-    [0, num_pages). Host tensors only (the CPU reference)."""
-    if not batch_indices.numel():
+    [0, num_pages). A token of batch index -1 is padding (get_batch_indices_positions' entries past the
+    batch): skipped by the kernel and the reference alike, not checked. Host tensors only (the CPU reference)."""
+    real = batch_indices.long() != -1
+    b, pos = batch_indices.long()[real], positions.long()[real]
+    if not b.numel():
         return
-    b, pos = batch_indices.long(), positions.long()
+    tokens = real.nonzero()[:, 0]  # the real tokens' indices, for the messages
     indptr, indices = kv_indptr.long(), kv_indices.long()
     batch = indptr.shape[0] - 1
     bad = (b < 0) | (b >= batch)
     if bad.any():
         i = int(bad.nonzero()[0])
         raise ValueError(f"{op}: batch_indices must lie in [0, {batch}) (the requests of kv_indptr), got "
-                         f"{int(b[i])} for token {i}")
+                         f"{int(b[i])} for token {int(tokens[i])}")
     if (pos < 0).any():
         i = int((pos < 0).nonzero()[0])
-        raise ValueError(f"{op}: positions must be >= 0, got {int(pos[i])} for token {i}")
+        raise ValueError(f"{op}: positions must be >= 0, got {int(pos[i])} for token {int(tokens[i])}")
     pages = indptr[b + 1] - indptr[b]
     past = pos // page_size >= pages
     if past.any():
         i = int(past.nonzero()[0])
-        raise ValueError(f"{op}: token {i}'s position {int(pos[i])} is past the pages of request {int(b[i])} "
-                         f"({max(int(pages[i]), 0)} pages of {page_size}); kv_indptr, kv_indices and "
+        raise ValueError(f"{op}: token {int(tokens[i])}'s position {int(pos[i])} is past the pages of request "
+                         f"{int(b[i])} ({max(int(pages[i]), 0)} pages of {page_size}); kv_indptr, kv_indices and "
                          f"kv_last_page_len must already hold the appended tokens")
     entry = indptr[b] + pos // page_size
     outside = (entry < 0) | (entry >= indices.shape[0])
     if outside.any():
         i = int(outside.nonzero()[0])
-        raise ValueError(f"{op}: kv_indptr points past kv_indices ({indices.shape[0]} entries) for token {i}")
+        raise ValueError(f"{op}: kv_indptr points past kv_indices ({indices.shape[0]} entries) for token "
+                         f"{int(tokens[i])}")
     page = indices[entry]
     wrong = (page < 0) | (page >= num_pages)
     if wrong.any():
         i = int(wrong.nonzero()[0])
-        raise ValueError(f"{op}: kv_indices must name pages in [0, {num_pages}), got {int(page[i])} for token {i}")
+        raise ValueError(f"{op}: kv_indices must name pages in [0, {num_pages}), got {int(page[i])} for token "
+                         f"{int(tokens[i])}")

@@ -29,6 +29,7 @@ count calls); the per-call shapes are checked against the workspace, and across 
 ``debug=True`` (one more small all-gather a call, not capturable).
 """
 
+import math
 import os
 import socket
 import tempfile
@@ -112,7 +113,21 @@ class AllReduceFusionWorkspace:
 def _group_of(op, group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{op}: torch.distributed is not initialized (dist.init_process_group)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: group must be None (the world) or a torch.distributed.ProcessGroup, got "
+                        f"{type(group).__name__} {group!r}")
     return group if group is not None else dist.group.WORLD
+
+
+def _check_eps(op, name, eps):
+    """The norm's epsilon, before anything is written (the sum is written first otherwise)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {eps!r}")
+
+
+def _check_use_oneshot(op, use_oneshot):
+    if use_oneshot is not None and not isinstance(use_oneshot, bool):
+        raise TypeError(f"{op}: use_oneshot must be None or a bool, got {use_oneshot!r}")
 
 
 def _positive_int(op, name, value):
@@ -288,8 +303,6 @@ def _kernel_choice(op, workspace, input, use_oneshot):
             raise ValueError(f"{op}: backend='symm_mem' takes float16 / bfloat16 messages up to "
                              f"{workspace.message_bytes} bytes, got {input.dtype} {tuple(input.shape)}")
         return None
-    if use_oneshot is not None and not isinstance(use_oneshot, bool):
-        raise TypeError(f"{op}: use_oneshot must be None or a bool, got {use_oneshot!r}")
     return not (one_shot_wins(workspace.world_size, message) if use_oneshot is None else use_oneshot)
 
 
@@ -346,6 +359,7 @@ def fused_allreduce_add_rmsnorm(input, residual, weight, eps=1e-6, group=None, w
     _check_weight(op, weight, input.shape[1], input.dtype, input.device)
     if weight_offset not in (0, 0.0, 1, 1.0):
         raise ValueError(f"{op}: weight_offset must be 0 (RMSNorm) or 1 (Gemma), got {weight_offset!r}")
+    _check_eps(op, "eps", eps)
     pdl = check_enable_pdl(op, enable_pdl)
     if workspace is not None:
         _check_fits(op, workspace, input)
@@ -405,6 +419,8 @@ def allreduce_fusion(input, workspace, pattern, launch_with_pdl=False, trigger_c
         _check_weight(op, rms_gamma, shape[1], dtype, device)
         if weight_bias not in (0, 0.0, 1, 1.0):
             raise ValueError(f"{op}: weight_bias must be 0.0 (RMSNorm) or 1.0 (Gemma), got {weight_bias!r}")
+        _check_eps(op, "rms_eps", rms_eps)
+    _check_use_oneshot(op, use_oneshot)
     two_shot = _kernel_choice(op, workspace, input, use_oneshot)
     if two_shot is not None:
         return _allreduce_fusion_kernels(workspace, two_shot, input, output, norm_pattern, residual_in, rms_gamma,

@@ -33,6 +33,7 @@ and to check the pages; the ops underneath (``torch.ops.flashkern.kv_scores``, `
 ``kv_compact``) take device tensors only and can be captured in a CUDA graph with fixed budgets.
 """
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -103,6 +104,9 @@ def _budgets(op, budget, kv_len):
     """Per-request numbers of keys to keep, at most each kv_len: an int or one per request."""
     batch = kv_len.shape[0]
     if isinstance(budget, torch.Tensor):
+        if budget.dtype.is_floating_point or budget.dtype.is_complex or budget.dtype == torch.bool:
+            raise TypeError(f"{op}: budget must be an int or one int per request (an integer tensor), got a "
+                            f"{budget.dtype} tensor")
         budget = budget.cpu().long()
     elif isinstance(budget, int) and not isinstance(budget, bool):
         budget = torch.full((batch,), budget, dtype=torch.long)
@@ -265,6 +269,10 @@ class StreamingLLM:
     """Keep the first ``sinks`` keys (attention sinks) and the last ``window``; no scores."""
 
     def __init__(self, sinks=4, window=1020):
+        for name, value in (("sinks", sinks), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"StreamingLLM: {name} must be an int, got {type(value).__name__} {value!r}")
+        sinks, window = int(sinks), int(window)
         if sinks < 0 or window < 0 or sinks + window < 1:
             raise ValueError(f"StreamingLLM: sinks and window must be >= 0 with sinks + window >= 1, got {sinks}, "
                              f"{window}")

@@ -26,6 +26,7 @@ from ._paged_attention import (
     fill_buffer,
     host_indptr,
     host_int32,
+    kv_scale_arg,
     reject_unsupported,
     scale_factor,
     sink_logits,
@@ -178,14 +179,14 @@ class _Prefill:
                 fill_buffer(op, name, self._buffers[name], values)
 
     def _run_prefill(self, op, q, kv, kv_layout, args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
-                     window_left, sinks, kv_scores=None):
+                     window_left, sinks, kv_scores=None, o_scale=None):
         if args:
             raise ValueError(f"{op}: extra positional arguments (custom-kernel arguments in FlashInfer) are not "
                              f"supported by flashkern, got {len(args)}")
         pdl = check_enable_pdl(op, enable_pdl)
         self._core.check_window(op, window_left)
         out, lse = self._core._run(op, q, kv, out, lse, sinks, q_scale, k_scale, v_scale, pdl=pdl, kv_layout=kv_layout,
-                                   kv_scores=kv_scores)
+                                   kv_scores=kv_scores, o_scale=o_scale)
         return (out, lse) if return_lse else out
 
     def _forward(self, op, q, kv, kv_layout, causal, pos_encoding_mode, k_scale, v_scale, window_left,
@@ -286,15 +287,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_Prefill):
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
-            skip_softmax_threshold_scale_factor=None, kv_scores=None):
+            skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None, uses_spcompress=None, kv_scores=None):
         """q ``[qo_indptr[-1], num_qo_heads, head_dim]`` -> out (the plan's o_data_type), and with
         ``return_lse`` lse ``[qo_indptr[-1], num_qo_heads]`` float32 (natural log). ``sinks``,
         scales, ``enable_pdl`` and ``kv_scores`` (H2O's running scores, flashkern.kv_compress) as in
         BatchDecodeWithPagedKVCacheWrapper.run; ``window_left``: None or the plan's; ``kv_cache_sf`` and
-        ``skip_softmax_threshold_scale_factor`` must be None."""
+        ``skip_softmax_threshold_scale_factor`` must be None; FlashInfer's ``use_fp16_softmax`` and
+        ``uses_spcompress`` (its TensorRT-LLM kernels' options) None or False (flashkern's softmax is
+        float32, its KV uncompressed)."""
         op = "BatchPrefillWithPagedKVCacheWrapper.run"
         reject_unsupported(op, kv_cache_sf=kv_cache_sf,
                            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
+        for name, value in (("use_fp16_softmax", use_fp16_softmax), ("uses_spcompress", uses_spcompress)):
+            if value is not None and value is not False:
+                raise ValueError(f"{op}: {name}={value!r} is not supported by flashkern (None or False: its softmax "
+                                 f"is float32, its KV cache uncompressed)")
         return self._run_prefill(op, q, paged_kv_cache, None, args, q_scale, k_scale, v_scale, out, lse, return_lse,
                                  enable_pdl, window_left, sinks, kv_scores)
 
@@ -382,9 +389,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Prefill):
         multiplies the output as ``v_scale`` does)."""
         op = "BatchPrefillWithRaggedKVCacheWrapper.run"
         reject_unsupported(op, kv_cache_sf=kv_cache_sf)
-        v_scale = scale_factor(op, "v_scale", v_scale) * scale_factor(op, "o_scale", o_scale)
         return self._run_prefill(op, q, ragged_kv(op, k, v, self._core._kv_layout), "NHD", args, q_scale, k_scale,
-                                 v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
+                                 v_scale, out, lse, return_lse, enable_pdl, window_left, sinks, o_scale=o_scale)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -456,10 +462,10 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
         custom_mask = custom_mask.reshape(-1)
     if q.dtype in (torch.float32, torch.float64):
         sm_scale = head_dim**-0.5 if sm_scale is None else scale_factor(op, "sm_scale", sm_scale)
-        sm_scale *= scale_factor(op, "k_scale", k_scale)
+        sm_scale *= kv_scale_arg(op, "k_scale", k_scale, k.dtype, num_kv_heads, k.device)[0]
         out, lse = _single_prefill_reference(op, q, k, v, custom_mask, packed_custom_mask, causal, sm_scale,
                                              window_left, logits_soft_cap, sinks)
-        out = (out * scale_factor(op, "v_scale", v_scale)).to(o_dtype or q.dtype)
+        out = (out * kv_scale_arg(op, "v_scale", v_scale, k.dtype, num_kv_heads, k.device)[0]).to(o_dtype or q.dtype)
         return (out, lse) if return_lse else out
     if q.dtype not in ATTENTION_DTYPES:
         raise TypeError(f"{op}: q must be float16, bfloat16, float32 or float64, got {q.dtype}")

@@ -70,6 +70,8 @@ def _random_args(op, device, generator, seed, offset, batch):
         if isinstance(v, torch.Tensor):
             values += [v.view(torch.int64) if v.dtype == torch.uint64 else v, 0]
         elif isinstance(v, int) and not isinstance(v, bool):
+            if not -(2**63) <= v < 2**64:  # an int64 or a uint64: 64 bits, never wrapped
+                raise ValueError(f"{op}: {name} must fit 64 bits (in [-2^63, 2^64)), got {v}")
             values += [None, (v + 2**63) % 2**64 - 2**63]  # as the int64 of its 64 bits
         else:
             raise TypeError(f"{op}: {name} must be an int or an int64 tensor, got {type(v).__name__}")

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 import flashkern
-from flashkern._validate import ATTENTION_HEAD_DIMS, KERNEL_DTYPES
+from flashkern._validate import ATTENTION_HEAD_DIMS, HEAD_DIMS, KERNEL_DTYPES
 
 FAMILIES = {
     # model_type: (modeling module, RMSNorm class, MLP class, norm weight offset)
@@ -218,6 +218,17 @@ def _attention_refusal(model):
     return None
 
 
+def _compression_refusal(model):
+    """Why flashkern's KV compression cannot run on this model's caches, or None (checked before any patch, so
+    that model(ids) does not fail inside the forward): its kernels (kv_scores, kv_select, kv_compact) take
+    head_dim 64, 128 or 256 (attention alone takes more: float32 at any head_dim, 512)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim}: KV compression's kernels take 64, 128 or 256"
+    return None
+
+
 def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False, kv_compression=None):
     """Replace, in `model`, the RMSNorm modules, the gated MLPs' activation-and-multiply and the rotary
     application with flashkern ops, and with attention=True its attention implementation (the
@@ -229,7 +240,9 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
     "skipped" and in a warning. Raises ValueError for a model family it does not know.
     kv_compression: a policy of flashkern.kv_compress (SnapKV, H2O, StreamingLLM); needs attention=True
     and compresses every layer's cache after the prompt pass (batches without padding, every sequence
-    the same length); "kv_compression" in the result lists the attention modules it applies to."""
+    the same length); "kv_compression" in the result lists the attention modules it applies to. A model
+    whose caches the compression kernels cannot take (head_dim other than 64, 128 or 256) keeps its attention patched and its caches whole: "kv_compression" in "skipped" says
+    why, and the warning."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(
@@ -264,6 +277,10 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
                              "flashkern's attention)")
         if refusal:
             skipped["kv_compression"] = "flashkern's attention does not run this model"
+        else:
+            compression_refusal = _compression_refusal(model)
+            if compression_refusal:
+                skipped["kv_compression"] = compression_refusal
     replaced = {"rmsnorm": [], "swiglu": [], "rope": [], "attention": [], "kv_compression": [], "skipped": skipped}
     for kind, name, module, forward in patches:
         module.forward = types.MethodType(forward, module)
@@ -274,7 +291,7 @@ def apply_flashkern(model, rmsnorm=True, swiglu=True, rope=True, attention=False
     if attention and not refusal:
         replaced["attention"].append(model.config._attn_implementation)
         model.set_attn_implementation(registered_attention())
-        if kv_compression is not None:
+        if kv_compression is not None and "kv_compression" not in skipped:
             for name, module in model.named_modules():
                 if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
                     module._fk_kv_compression = kv_compression

@@ -213,6 +213,20 @@ def final_state(v, s, sinks, out_scale):
     return v * out_scale, s
 
 
+def valid_scales(scale):
+    """Where a float32 tensor of scales holds positive finite numbers (numeric.h: valid_scale)."""
+    scale = scale.to(torch.float32)
+    return torch.isfinite(scale) & (scale > 0)
+
+
+def dequant_factor(k_scale, v_scale, kv_heads, device):
+    """The kernels' per-head output factor (attention_tiles.cuh: output_dequant): v_scale (1: none), NaN where
+    k_scale or v_scale is not a positive finite number."""
+    v = torch.ones(kv_heads, dtype=torch.float32, device=device) if v_scale is None else v_scale.to(torch.float32)
+    ok = valid_scales(v) if k_scale is None else valid_scales(v) & valid_scales(k_scale)
+    return torch.where(ok, v, float("nan"))
+
+
 def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v, sm_scale, sinks=None, out_scale=1.0,
                     custom_mask=None, logits_soft_cap=0.0, logits_out=None, k_scale=None, v_scale=None):
     """The plan in `words` run with torch, item by item as the kernels run it: each item's state over
@@ -223,7 +237,10 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
     -> (out, lse), in the compute dtype. logits_out [batch, qo_heads, L]: kv_scores' epilogue, the base-2
     logit of each key a query sees, written by the decode and 16-row items (not the 64-row ones). A page index outside the cache raises ValueError (the
     kernels write NaN for the query instead). An fp8 cache is dequantized exactly (its values as floats),
-    times k_scale / v_scale [kv_heads] where given."""
+    times k_scale / v_scale [kv_heads] where given; a head whose k_scale or v_scale is not a positive
+    finite number gets NaN rows, as from the kernels (numeric.h: checked_scale)."""
+    if v_scale is not None or k_scale is not None:
+        v_scale = dequant_factor(k_scale, v_scale, k_cache.shape[2], q.device)
     batch, qo_heads, head_dim = q.shape
     num_pages, page_size, kv_heads = k_cache.shape[:3]
     group = qo_heads // kv_heads
