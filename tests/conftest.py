@@ -35,7 +35,7 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # directly in test_emulated_kernels.py. FLASHKERN_TEST_EMULATE_SAMPLE=1 runs them all.
 SAMPLED_FILES = {"test_decode.py", "test_prefill.py", "test_cascade.py", "test_norm.py", "test_act_and_mul.py",
                  "test_rope.py"}
-SAMPLE = {"emulate": 1, "emulate-wave64": 3}
+SAMPLE = {"emulate": 2, "emulate-wave64": 3}
 if "FLASHKERN_TEST_EMULATE_SAMPLE" in os.environ:
     SAMPLE = dict.fromkeys(SAMPLE, int(os.environ["FLASHKERN_TEST_EMULATE_SAMPLE"]))
 
@@ -85,25 +85,33 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    config.pluginmanager.register(OnceUnderAsan(), "flashkern-once-under-asan")
+    config.pluginmanager.register(RunOnce(), "flashkern-run-once")
 
 
-class OnceUnderAsan:
-    """In a run that has test_emulator_checks.py's ASan run of the emulated-kernel module, the tests of that module
-    which it covers are left out of this process (deselected): the same test functions, the same assertions, under
-    AddressSanitizer there. Last, after -k and -m, so that it sees what the run really has."""
+class RunOnce:
+    """A test that another test of the same run already runs (the same function on the same launchers, with its
+    assertions) is left out of it (deselected): the emulated-kernel tests that test_emulator_checks.py's ASan run
+    covers (there under AddressSanitizer), and the wave32 tour of every kernel and path, which test_kernel_build.py's
+    gfx1030 launch-bounds test makes. Last, after -k and -m, so that it sees what the run really has."""
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
-        if not any(item.nodeid.endswith("test_emulator_checks.py::test_kernels_under_sanitizer[address]")
-                   for item in items):
-            return
-        from test_emulator_checks import covered_by_asan
+        ids = {item.nodeid.split("@")[0] for item in items}  # xdist's group suffix off
+        asan = "tests/test_emulator_checks.py::test_kernels_under_sanitizer[address]" in ids
+        wave32_tour = "tests/test_kernel_build.py::test_every_hip_launch_fits_its_kernels_launch_bounds[gfx1030]" in ids
+        if asan:
+            from test_emulator_checks import covered_by_asan
 
-        left_out = [item for item in items if covered_by_asan(item)]
+        def elsewhere(item):
+            if asan and covered_by_asan(item):
+                return True
+            return wave32_tour and item.nodeid.startswith(
+                "tests/test_emulated_kernels.py::test_every_kernel_and_path[hip-wave32]")
+
+        left_out = [item for item in items if elsewhere(item)]
         if left_out:
             config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if not covered_by_asan(item)]
+            items[:] = [item for item in items if not elsewhere(item)]
 
 
 def pytest_generate_tests(metafunc):
