@@ -35,7 +35,7 @@ case $torch_build in
   cpu) pip install torch==2.14.1 --index-url https://download.pytorch.org/whl/cpu ;;
 esac
 echo "setup: torch 2.14.1, the $torch_build build ($(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
-pip install setuptools wheel numpy pytest pytest-xdist==3.8.0 pytest-benchmark expecttest ninja matplotlib transformers==5.24.0
+pip install setuptools wheel numpy pytest==8.4.2 pytest-xdist==3.8.0 pytest-benchmark expecttest ninja matplotlib transformers==5.24.0
 
 start=$(date +%s)
 PATH="$PWD/.venv/bin:$PATH" pip install --no-build-isolation .

@@ -3,6 +3,7 @@ reference fallback on GPU tensors. csrc/torch/glue/ makes the same checks for th
 kernels, so each path raises the same TypeError or ValueError naming the argument and value."""
 
 import math
+import struct
 
 import torch
 
@@ -715,9 +716,9 @@ def check_kv_scale_number(op, name, value):
     (the kernels' scale), as a float. ValueError otherwise (0 would divide by zero, a negative flip signs)."""
     f = math.nan
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            f = torch.tensor(float(value), dtype=torch.float32).item()  # past float32's range: inf
-        except OverflowError:
+        try:  # rounded to float32 in Python (no tensor: the wrappers' run() is traced by torch.compile)
+            f = struct.unpack("f", struct.pack("f", float(value)))[0]
+        except OverflowError:  # past float32's range: inf
             f = math.inf
     if not (math.isfinite(f) and f > 0):
         raise ValueError(f"{op}: {name} must be None or a finite number > 0 (in float32), or for an fp8 cache a "

@@ -127,16 +127,20 @@ def _fp8_codes(op, append_key, append_value, k_cache, v_cache, k_scale, v_scale)
     """fp8 keys and values into a cache of their dtype: the codes copied as they are, through the 16-bit copy
     (every tensor viewed as float16 words of two codes, no copy): the same checks, the same kernel."""
     check_tensor(op, "append_value", append_value)
-    if k_cache.dtype != append_key.dtype or append_value.dtype != append_key.dtype:
+    if {k_cache.dtype, v_cache.dtype, append_value.dtype} != {append_key.dtype}:
         raise TypeError(f"{op}: fp8 keys and values are copied into a cache of their own dtype; got append_key "
-                        f"{append_key.dtype}, append_value {append_value.dtype} and a {k_cache.dtype} cache (16-bit "
-                        f"keys and values are quantized into an fp8 cache)")
+                        f"{append_key.dtype}, append_value {append_value.dtype}, k_cache {k_cache.dtype} and "
+                        f"v_cache {v_cache.dtype} (16-bit keys and values are quantized into an fp8 cache)")
     if k_scale is not None or v_scale is not None:
         raise ValueError(f"{op}: k_scale and v_scale quantize float16 / bfloat16 keys and values; fp8 ones are "
                          f"copied as they are (give no scale)")
     if append_key.dim() != 3 or append_key.shape[-1] % 16:
         raise ValueError(f"{op}: fp8 append_key must be 3-D [nnz, num_kv_heads, head_dim] with head_dim a multiple "
                          f"of 16, got shape {tuple(append_key.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # before the views halve it
+        if cache.dim() != 4 or cache.shape[-1] != append_key.shape[-1]:
+            raise ValueError(f"{op}: {name} must be 4-D with head_dim {append_key.shape[-1]} (append_key's), got "
+                             f"shape {tuple(cache.shape)}")
     views = []
     for name, t in (("append_key", append_key), ("append_value", append_value), ("k_cache", k_cache),
                     ("v_cache", v_cache)):

@@ -409,7 +409,8 @@ FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float
     }
     const StateSink sink = sink_of(r);
     const FinalState f = sink.finish(nan ? NAN : state_lse(m_max, total));
-    const float inv = total == 0.f ? 0.f : f.scale / total;
+    // a row that saw no key: 0, or NaN where the head's scale is bad (StateSink::v_scale)
+    const float inv = total == 0.f ? 0.f * sink.v_scale : f.scale / total;
 #pragma unroll
     for (int e = 0; e < kVec16Bit; ++e) acc[e] = nan ? NAN : acc[e] * inv;
     sink.store8(d, acc);
