@@ -30,12 +30,13 @@ DEVICES = ["cpu"] + (["cuda"] if GPU else []) + EMULATED
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-# CI time: in these files' grids an emulate backend runs one case in SAMPLE[backend], a share that rotates with
-# the code (ROTATION), so that every case runs across commits; every kernel path also runs on every launcher
+# CI time: in these files' grids an emulate backend runs one case in SAMPLE[backend], for the backends in ROTATING
+# a share that rotates with the code (ROTATION), so that every case runs across commits; every kernel path also runs on every launcher
 # directly in test_emulated_kernels.py. FLASHKERN_TEST_EMULATE_SAMPLE=1 runs them all.
 SAMPLED_FILES = {"test_decode.py", "test_prefill.py", "test_cascade.py", "test_norm.py", "test_act_and_mul.py",
                  "test_rope.py"}
 SAMPLE = {"emulate": 2, "emulate-wave64": 3}
+ROTATING = {"emulate"}  # emulate-wave64 keeps the share CI has always run (every third case from the first)
 if "FLASHKERN_TEST_EMULATE_SAMPLE" in os.environ:
     SAMPLE = dict.fromkeys(SAMPLE, int(os.environ["FLASHKERN_TEST_EMULATE_SAMPLE"]))
 
@@ -52,11 +53,11 @@ def rotation():
 
 
 ROTATION = rotation()
-# pytest-xdist (README's test command: -n auto; pyproject: --dist loadgroup) hands tests out in collection order,
+# pytest-xdist (README's test command: -n auto --dist loadgroup) hands tests out in collection order,
 # the groups first: the longest tests (builds, subprocess runs) go first, so that no core is left alone with one of
 # them at the end, and the tests of a module-scoped build are one group, run by one worker that builds it once.
 LONGEST_FIRST = ["test_emulator_checks.py", "test_kernel_build.py", "test_device_check.py"]
-BUILD_FIXTURES = ["cuda_build", "hip_build"]
+BUILD_FIXTURES = ["cuda_build", "hip_build", "bench_json"]  # module-scoped: built or run once, by one worker
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -76,10 +77,10 @@ def pytest_collection_modifyitems(config, items):
         if backend not in SAMPLE or item.path.name not in SAMPLED_FILES:
             continue
         k = seen[item.path.name, backend] = seen.get((item.path.name, backend), -1) + 1
-        if (k + ROTATION) % SAMPLE[backend]:
+        if (k + (ROTATION if backend in ROTATING else 0)) % SAMPLE[backend]:
+            how = "rotating by commit" if backend in ROTATING else "the same share every run"
             item.add_marker(pytest.mark.skip(reason=f"{backend}: one case in {SAMPLE[backend]} of this file's grid, "
-                                                    "rotating by commit (CI time; FLASHKERN_TEST_EMULATE_SAMPLE=1 runs "
-                                                    "all)"))
+                                                    f"{how} (CI time; FLASHKERN_TEST_EMULATE_SAMPLE=1 runs all)"))
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
 

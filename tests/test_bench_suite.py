@@ -29,7 +29,9 @@ HOST_OPS = {"prefix_cache_plan": {"plan_cascade", "plan_decode"}}  # host code: 
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    env = {**os.environ, "FLASHKERN_BENCH_SET": "smoke", "FLASHKERN_COMMIT": "test-commit"}
+    # not an xdist worker's variables: pytest-benchmark would take the run for a worker and measure nothing
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+           "FLASHKERN_BENCH_SET": "smoke", "FLASHKERN_COMMIT": "test-commit"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", f"--benchmark-json={out}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=subprocess_limit(60),

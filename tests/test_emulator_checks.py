@@ -54,6 +54,8 @@ def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp
     (stdout: the log)."""
     env = {**os.environ, "FK_EMU_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("LD_PRELOAD", None)
+    for name in [k for k in env if k.startswith("PYTEST_XDIST")]:  # its own run, not this worker's
+        env.pop(name)
     if sanitizer:
         env.update(SANITIZERS[sanitizer](), FK_EMU_SANITIZER=sanitizer)
     if source_root:
@@ -101,9 +103,9 @@ def sanitized(sanitizer, tmp):
     kernel and path, small: TSan pays for a thread per GPU thread per block)."""
     seed = {"address": 3, "thread": 2}[sanitizer]
     selection = " and ".join(f"not {name}" for name in ASAN_LEAVES_OUT) if sanitizer == "address" else "tsan"
-    # on workers of their own (CI time: the two longest runs of the suite; TSan's three every-kernel tours, one
-    # a launcher build, are its most part), so that neither is the last test left
-    workers = {"address": 2, "thread": 3}[sanitizer]
+    # the ASan run on two workers of its own (CI time: the longest run of the suite), so that it is not the last
+    # test left; TSan in one process
+    workers = {"address": 2, "thread": 1}[sanitizer]
     return finish(emulated_tests(selection, sanitizer, seed, tmp=tmp, marker=sanitizer == "thread", workers=workers))
 
 

@@ -29,6 +29,7 @@ from ._validate import (
     check_kv_scores,
     check_positive_int,
     check_tensor,
+    nan_where_bad,
 )
 
 _ops = torch.ops.flashkern
@@ -144,8 +145,8 @@ def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
     """FlashInfer's k_scale / v_scale as (a number, a [num_kv_heads] float32 tensor or None): None (1), a
     number > 0 finite in float32 (folded into sm_scale / the output by the caller), or, for an fp8 cache, a
     float tensor of 1 or num_kv_heads elements on the cache's device (read by the kernels: no host sync).
-    A tensor's values: checked here where it is on the CPU; on a GPU the kernels give NaN for the rows of
-    a head whose scale is not a positive finite number (numeric.h: checked_scale)."""
+    A tensor's values: checked here where it is on the CPU; on a GPU a scale that is not a positive finite
+    number becomes NaN on the device (no host sync), so the rows of its head come out NaN."""
     if value is None:
         return 1.0, None
     if not isinstance(value, torch.Tensor):
@@ -158,7 +159,7 @@ def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
         raise ValueError(f"{op}: {name} must be a number or a floating tensor of 1 or num_kv_heads ({num_kv_heads}) "
                          f"elements on {device}, got {value.dtype} of shape {tuple(value.shape)} on {value.device}")
     check_kv_scale_values(op, name, value)
-    return 1.0, value.to(torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
+    return 1.0, nan_where_bad(value.to(torch.float32).reshape(-1).expand(num_kv_heads))
 
 
 def reject_unsupported(op, **options):

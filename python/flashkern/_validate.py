@@ -728,8 +728,8 @@ def check_kv_scale_number(op, name, value):
 
 def check_kv_scale_values(op, name, t):
     """A tensor of fp8 scales: on the host (a CPU tensor) every element must be > 0 and finite in float32,
-    else ValueError. A GPU tensor is not read (that would need a host synchronization): the kernels give
-    NaN for what a bad scale touches (numeric.h: checked_scale), the rows of its head."""
+    else ValueError. A GPU tensor is not read (that would need a host synchronization): nan_where_bad
+    turns a bad scale into NaN on the device, so what it touches (the rows of its head) comes out NaN."""
     if t.device.type != "cpu" or torch.compiler.is_compiling() or not t.numel():
         return
     f = t.detach().to(torch.float32)
@@ -738,6 +738,13 @@ def check_kv_scale_values(op, name, t):
         i = int(bad.reshape(-1).nonzero()[0])
         raise ValueError(f"{op}: {name} must hold numbers > 0 that are finite in float32, got "
                          f"{f.reshape(-1)[i].item()} at index {i}")
+
+
+def nan_where_bad(scales):
+    """A float32 tensor of fp8 scales with every element that is not a positive finite number made NaN, on its
+    device (one small elementwise op: no host sync, capturable, traceable): a bad scale gives NaN, never
+    plausible numbers (the kernels apply the scales as they get them)."""
+    return torch.where(torch.isfinite(scales) & (scales > 0), scales, torch.full_like(scales, math.nan)).contiguous()
 
 
 def _check_scale(op, name, t, value, cache):

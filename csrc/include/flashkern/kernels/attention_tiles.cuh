@@ -317,14 +317,6 @@ FK_DEVICE void store_output(void* out, DType dtype, int64_t at, const float (&x)
   }
 }
 
-// The factor an fp8 cache's scales give a KV head's outputs: v_scale (1: none), or NaN where k_scale or v_scale
-// is not a positive finite number, so that a bad scale tensor gives the head's rows NaN.
-FK_DEVICE float output_dequant(const BatchAttentionParams& p, int kv_head) {
-  const bool k_ok = p.k_scale == nullptr || numeric::valid_scale(p.k_scale[kv_head]);
-  const float v = p.v_scale != nullptr ? numeric::checked_scale(p.v_scale[kv_head]) : 1.f;
-  return k_ok ? v : bit_cast<float>(0x7fc00000u);
-}
-
 // Where one (query, q head) state goes: out / lse when it is the query's only state (finished
 // there: the head's sink and out_scale applied), else its slot of the partial states, which the
 // merge kernel combines and finishes.
@@ -336,12 +328,11 @@ struct StateSink {
   float* lse;       // the lse or partial_s entry
   float sink;       // the head's sink logit (-inf: none) and out_scale, for a finished state
   float out_scale;
-  float v_scale;    // an fp8 cache's per-head v_scale (1: none), for every state: the merge is linear in V;
-                    // NaN where the head's k_scale or v_scale is not a positive finite number (numeric::checked_scale)
+  float v_scale;    // an fp8 cache's per-head v_scale (1: none), for every state: the merge is linear in V
 
   FK_DEVICE StateSink(const BatchAttentionParams& p, int t, int head, int slot)
       : out(nullptr), out_at(0), out_dtype(p.out_dtype), partial(nullptr), sink(-INFINITY), out_scale(p.out_scale),
-        v_scale(output_dequant(p, blockIdx.y)) {  // every attention kernel's y: its KV head
+        v_scale(p.v_scale != nullptr ? p.v_scale[blockIdx.y] : 1.f) {  // every attention kernel's y: its KV head
     const int* indptr = p.plan + plan_header(p).merge_indptr;
     const int64_t row = int64_t(t) * p.qo_heads + head;
     if (indptr[t + 1] - indptr[t] == 1) {
@@ -409,7 +400,7 @@ FK_DEVICE void merge_parts_and_store(const float* o, const float* m, const float
     }
     const StateSink sink = sink_of(r);
     const FinalState f = sink.finish(nan ? NAN : state_lse(m_max, total));
-    // a row that saw no key: 0, or NaN where the head's scale is bad (StateSink::v_scale)
+    // a row that saw no key: 0, or NaN where the head's v_scale is NaN (a bad scale tensor: kv_scale_arg)
     const float inv = total == 0.f ? 0.f * sink.v_scale : f.scale / total;
 #pragma unroll
     for (int e = 0; e < kVec16Bit; ++e) acc[e] = nan ? NAN : acc[e] * inv;

@@ -172,7 +172,7 @@ FK_DEVICE void multi_query_items(const BatchAttentionParams& p) {
         if (writes(r)) {
           const StateSink sink = sink_of(r);
           const FinalState fin = sink.finish(any_poisoned ? NAN : state_lse(m[slot], l[slot]));
-          // a NaN l stays NaN; a row that saw no key: 0, or NaN where the head's scale is bad
+          // a NaN l stays NaN; a row that saw no key: 0, or NaN where the head's v_scale is NaN
           const float inv = any_poisoned ? NAN : l[slot] == 0.f ? 0.f * sink.v_scale : fin.scale / l[slot];
 #pragma unroll
           for (int f = 0; f < Warp::kOF; ++f)
