@@ -102,16 +102,23 @@ def test_paged_prefill(device, fp8, causal, window_left, cap, sinks, head_dim):
     check(out, lse, expected_batch(q, exact, qo_lens, causal, window_left, cap=cap, sinks=sink), torch.bfloat16)
 
 
-def test_ragged_prefill(device):
-    qo_lens, kv_lens, kv_heads, group, head_dim = [7, 70], [7, 90], 1, 8, 64
-    (k_s, v_s), _ = scales(kv_heads, False, seed=5)
-    stored, exact = quantized(random_kv(kv_lens, kv_heads, head_dim, seed=5), torch.float8_e4m3fn, k_s, v_s)
+def planned_ragged(device, kv_heads, group, per_head, seed, kv_data_type=torch.float8_e4m3fn):
+    """A causal ragged prefill over fp8 K and V (requests of 7 and 70 queries, 7 and 90 keys): (wrapper, q, k, v,
+    the exact values, qo_lens, the run's scales)."""
+    qo_lens, kv_lens, head_dim = [7, 70], [7, 90], 64
+    (k_s, v_s), run_scales = scales(kv_heads, per_head, seed=seed)
+    stored, exact = quantized(random_kv(kv_lens, kv_heads, head_dim, seed=seed), torch.float8_e4m3fn, k_s, v_s)
     k = torch.cat([k for k, _ in stored]).to(device=device, dtype=torch.float8_e4m3fn)
     v = torch.cat([v for _, v in stored]).to(device=device, dtype=torch.float8_e4m3fn)
-    q = rand((sum(qo_lens), kv_heads * group, head_dim), torch.float16, device, seed=6)
+    q = rand((sum(qo_lens), kv_heads * group, head_dim), torch.float16, device, seed=seed + 1)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace(device))
     wrapper.plan(indptr(qo_lens), indptr(kv_lens), kv_heads * group, kv_heads, head_dim, causal=True,
-                 q_data_type=torch.float16, kv_data_type="float8_e4m3fn")
+                 q_data_type=torch.float16, kv_data_type=kv_data_type)
+    return wrapper, q, k, v, exact, qo_lens, run_scales
+
+
+def test_ragged_prefill(device):
+    wrapper, q, k, v, exact, qo_lens, _ = planned_ragged(device, 1, 8, False, seed=5, kv_data_type="float8_e4m3fn")
     out, lse = wrapper.run(q, k, v, k_scale=0.75, v_scale=1.5, return_lse=True)
     check(out, lse, expected_batch(q, exact, qo_lens, True), torch.float16)
 
@@ -345,15 +352,7 @@ def test_bad_scale_tensor_gives_nan_rows(device, device_scales, name, bad):
 def test_ragged_prefill_takes_a_per_head_v_scale(device):
     """A per-head v_scale tensor over an fp8 ragged KV (it was refused: "a tensor of scales needs an fp8 KV
     cache"), with o_scale on top; the oracle scales each head's values."""
-    qo_lens, kv_lens, kv_heads, group, head_dim = [7, 70], [7, 90], 2, 2, 64
-    (k_s, v_s), (k_run, v_run) = scales(kv_heads, True, seed=11)
-    stored, exact = quantized(random_kv(kv_lens, kv_heads, head_dim, seed=11), torch.float8_e4m3fn, k_s, v_s)
-    k = torch.cat([k for k, _ in stored]).to(device=device, dtype=torch.float8_e4m3fn)
-    v = torch.cat([v for _, v in stored]).to(device=device, dtype=torch.float8_e4m3fn)
-    q = rand((sum(qo_lens), kv_heads * group, head_dim), torch.float16, device, seed=12)
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace(device))
-    wrapper.plan(indptr(qo_lens), indptr(kv_lens), kv_heads * group, kv_heads, head_dim, causal=True,
-                 q_data_type=torch.float16, kv_data_type=torch.float8_e4m3fn)
+    wrapper, q, k, v, exact, qo_lens, (k_run, v_run) = planned_ragged(device, 2, 2, True, seed=11)
     out, lse = wrapper.run(q, k, v, k_scale=k_run.to(device), v_scale=v_run.to(device), o_scale=0.5,
                            return_lse=True)
     o, s = expected_batch(q, exact, qo_lens, True)

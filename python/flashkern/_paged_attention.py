@@ -159,7 +159,7 @@ def kv_scale_arg(op, name, value, kv_dtype, num_kv_heads, device):
         raise ValueError(f"{op}: {name} must be a number or a floating tensor of 1 or num_kv_heads ({num_kv_heads}) "
                          f"elements on {device}, got {value.dtype} of shape {tuple(value.shape)} on {value.device}")
     check_kv_scale_values(op, name, value)
-    return 1.0, nan_where_bad(value.to(torch.float32).reshape(-1).expand(num_kv_heads))
+    return 1.0, nan_where_bad(value.to(torch.float32).reshape(-1).expand(num_kv_heads)).contiguous()
 
 
 def reject_unsupported(op, **options):

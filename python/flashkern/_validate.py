@@ -741,10 +741,11 @@ def check_kv_scale_values(op, name, t):
 
 
 def nan_where_bad(scales):
-    """A float32 tensor of fp8 scales with every element that is not a positive finite number made NaN, on its
-    device (one small elementwise op: no host sync, capturable, traceable): a bad scale gives NaN, never
-    plausible numbers (the kernels apply the scales as they get them)."""
-    return torch.where(torch.isfinite(scales) & (scales > 0), scales, torch.full_like(scales, math.nan)).contiguous()
+    """A float32 tensor of fp8 scales (attention's and append_paged_kv_cache's) with every element that is not a
+    positive finite number made NaN, on its device (one small elementwise op: no host sync, capturable,
+    traceable): a bad scale gives NaN outputs or NaN codes, never plausible numbers (the kernels apply the
+    scales as they get them)."""
+    return torch.where(torch.isfinite(scales) & (scales > 0), scales, torch.full_like(scales, math.nan))
 
 
 def _check_scale(op, name, t, value, cache):

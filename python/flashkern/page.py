@@ -29,7 +29,7 @@ import torch
 
 from . import _backend, _validate, ref
 from ._paged_attention import check_kv_layout, kv_cache_views
-from ._validate import FP8_DTYPES, check_kv_scale_values, check_tensor
+from ._validate import FP8_DTYPES, check_kv_scale_values, check_tensor, nan_where_bad
 
 _ops = torch.ops.flashkern
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -116,6 +116,8 @@ def _scale(op, name, scale, cache):
     if isinstance(scale, torch.Tensor):
         check_tensor(op, name, scale)
         check_kv_scale_values(op, name, scale)
+        if scale.dtype == torch.float32 and scale.is_contiguous():  # else the op refuses it as it is
+            scale = nan_where_bad(scale)
         return scale, 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{op}: {name} must be None, a float or a float32 tensor [num_kv_heads], got "

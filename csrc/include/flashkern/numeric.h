@@ -137,13 +137,6 @@ FK_HOST_DEVICE uint8_t float_to_fp8_bits(float x, Fp8 f) {
   return uint8_t(sign | bits);
 }
 
-// An fp8 cache's dequantization scale as the kernels apply it: itself when it is a positive finite number,
-// else NaN. A scale tensor is read on the device only (the host cannot check it without a sync), so a bad
-// scale (0, negative, inf, NaN) makes the values it touches NaN: explicit, never plausible numbers.
-// On the bits (1 to 0x7f7fffff: +0 excluded, below +inf), so that no floating-point mode changes the test.
-FK_HOST_DEVICE bool valid_scale(float s) { return bit_cast<uint32_t>(s) - 1u < 0x7f7fffffu; }
-FK_HOST_DEVICE float checked_scale(float s) { return valid_scale(s) ? s : bit_cast<float>(0x7fc00000u); }
-
 }  // namespace numeric
 
 FK_HOST_DEVICE float to_float(float x) { return x; }

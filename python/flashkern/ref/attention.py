@@ -238,7 +238,7 @@ def batch_attention(q, k_cache, v_cache, kv_indices, words, partial_s, partial_v
     logit of each key a query sees, written by the decode and 16-row items (not the 64-row ones). A page index outside the cache raises ValueError (the
     kernels write NaN for the query instead). An fp8 cache is dequantized exactly (its values as floats),
     times k_scale / v_scale [kv_heads] where given; a head whose k_scale or v_scale is not a positive
-    finite number gets NaN rows, as from the kernels (numeric.h: checked_scale)."""
+    finite number gets NaN rows, as the kernels do with what the op gives them (_validate.nan_where_bad)."""
     if v_scale is not None or k_scale is not None:
         v_scale = dequant_factor(k_scale, v_scale, k_cache.shape[2], q.device)
     batch, qo_heads, head_dim = q.shape

@@ -11,8 +11,8 @@ def quantize(x, dtype, scale=None, scale_value=1.0):
     """x [nnz, kv_heads, head_dim] as the cache stores it: the same bits for a 16-bit cache; for an fp8 one
     (x.float() / scale).clamp(-max, max).to(dtype), scale a float32 [kv_heads] tensor or scale_value
     rounded to float32 (saturating to the format's finite range, round to nearest even, NaN stays NaN). A
-    tensor's scale that is not a positive finite number gives NaN codes, as in the kernel (numeric.h:
-    checked_scale)."""
+    tensor's scale that is not a positive finite number gives NaN codes, as the op gives the kernel
+    (_validate.nan_where_bad)."""
     if dtype not in FP8_DTYPES:
         return x
     if scale is None:

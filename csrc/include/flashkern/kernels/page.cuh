@@ -78,9 +78,8 @@ __global__ void __launch_bounds__(kAppendThreads) append_paged_kv_kernel(AppendP
          c * kAppendVec);
   float k_scale = 1.f, v_scale = 1.f;
   if constexpr (kFormat != kCopyFormat) {
-    // a scale tensor the host did not check: a bad one (0, negative, inf, NaN) writes NaN codes
-    k_scale = p.k_scale != nullptr ? numeric::checked_scale(p.k_scale[head]) : p.k_scale_value;
-    v_scale = p.v_scale != nullptr ? numeric::checked_scale(p.v_scale[head]) : p.v_scale_value;
+    k_scale = p.k_scale != nullptr ? p.k_scale[head] : p.k_scale_value;
+    v_scale = p.v_scale != nullptr ? p.v_scale[head] : p.v_scale_value;
   }
   C* const k_dst = static_cast<C*>(p.k_cache) + at.page * p.k_strides[0] + at.slot * p.k_strides[1] +
                    head * p.k_strides[2] + c * kAppendVec;
