@@ -53,6 +53,19 @@ def rotation():
 
 
 ROTATION = rotation()
+
+
+def rotating_choice(choices, check):
+    """One of `choices` for this commit (ROTATION): a check that runs one part of its cases a commit, so that every
+    part runs across commits. `check` names it, so that two checks choose independently."""
+    return choices[int(hashlib.sha1(f"{ROTATION} {check}".encode()).hexdigest()[:8], 16) % len(choices)]
+
+
+def rotating_share(name, parts, check):
+    """Whether the case `name` is in this commit's share of `check`'s cases, one in `parts`, rotating (ROTATION)."""
+    return int(hashlib.sha1(f"{ROTATION} {check} {name}".encode()).hexdigest()[:8], 16) % parts == 0
+
+
 # pytest-xdist (README's test command: -n auto --dist loadgroup) hands tests out in collection order,
 # the groups first: the longest tests (builds, subprocess runs) go first, so that no core is left alone with one of
 # them at the end, and the tests of a module-scoped build are one group, run by one worker that builds it once.
@@ -92,19 +105,22 @@ def pytest_configure(config):
 class RunOnce:
     """A test that another test of the same run already runs (the same function on the same launchers, with its
     assertions) is left out of it (deselected): the emulated-kernel tests that test_emulator_checks.py's ASan run
-    covers (there under AddressSanitizer), and the wave32 tour of every kernel and path, which test_kernel_build.py's
-    gfx1030 launch-bounds test makes. Last, after -k and -m, so that it sees what the run really has."""
+    covers (there under AddressSanitizer; in that run itself, those outside its share), and the wave32 tour of
+    every kernel and path, which test_kernel_build.py's gfx1030 launch-bounds test makes. Last, after -k and -m, so that it sees what the run really has."""
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
         ids = {item.nodeid.split("@")[0] for item in items}  # xdist's group suffix off
         asan = "tests/test_emulator_checks.py::test_kernels_under_sanitizer[address]" in ids
         wave32_tour = "tests/test_kernel_build.py::test_every_hip_launch_fits_its_kernels_launch_bounds[gfx1030]" in ids
-        if asan:
+        asan_run = os.environ.get("FK_EMU_ASAN_SHARE") == "1"  # the ASan run itself: its share of the module only
+        if asan or asan_run:
             from test_emulator_checks import covered_by_asan
 
         def elsewhere(item):
             if asan and covered_by_asan(item):
+                return True
+            if asan_run and not covered_by_asan(item):
                 return True
             return wave32_tour and item.nodeid.startswith(
                 "tests/test_emulated_kernels.py::test_every_kernel_and_path[hip-wave32]")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import missing_tool, subprocess_limit
+from conftest import missing_tool, rotating_choice, rotating_share, subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
@@ -48,12 +48,13 @@ SANITIZERS = {  # FK_EMU_SANITIZER -> environment of the run; the exit code tell
 EXIT_CODE = {"thread": 66, "address": 67}
 
 
-def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp=None, marker=False, workers=1):
-    """Starts tests/test_emulated_kernels.py (-k selection, or -m when `marker`) in a subprocess, on `workers`
+def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp=None, marker=None, workers=1, env_extra=None):
+    """Starts tests/test_emulated_kernels.py (-m marker, -k selection) in a subprocess, on `workers`
     pytest-xdist workers (a sanitizer's report then fails the run as a crashed worker); returns the Popen
     (stdout: the log)."""
     env = {**os.environ, "FK_EMU_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("LD_PRELOAD", None)
+    env.update(env_extra or {})
     for name in [k for k in env if k.startswith("PYTEST_XDIST")]:  # its own run, not this worker's
         env.pop(name)
     if sanitizer:
@@ -63,8 +64,10 @@ def emulated_tests(selection=None, sanitizer=None, seed=1, source_root=None, tmp
     # -s: a sanitizer's report goes to stderr as it halts the process, past pytest's capture
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--basetemp", str(tmp),
                str(ROOT / "tests" / "test_emulated_kernels.py")]
+    if marker:
+        command += ["-m", marker]
     if selection:
-        command += ["-m" if marker else "-k", selection]
+        command += ["-k", selection]
     if workers > 1:
         command += ["-n", str(workers)]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -89,24 +92,33 @@ def finish(run, alone_seconds=300):
 
 # What the ASan run leaves out of the emulated-kernel module (-k): the wave32 launchers (CI time: the kernels'
 # indexing at 32 lanes a warp is the CUDA build's) and the batch-invariance tests (no kernel path of their own).
-# A whole suite's run leaves what the ASan run covers out of its own (conftest.py): those tests run once, under ASan.
+# Of the rest it runs one test in two, a share that rotates with the code (CI time; conftest.rotating_share), so that
+# every test runs under ASan across commits; a whole suite's run runs the other half plain, and leaves the ASan
+# run's half out of its own (conftest.py): each test runs once a commit, one way or the other.
 ASAN_LEAVES_OUT = ("hip-wave32", "batch_invariant")
+# The TSan tour: every kernel and path on the CUDA launchers each commit, and on one of the two HIP widths, rotating
+# (CI time: a TSan thread for every GPU thread makes each tour minutes long).
+TSAN_LEAVES_OUT = rotating_choice(("hip-wave64", "hip-wave32"), "tsan-hip")
 
 
 def covered_by_asan(item):
     """An emulated-kernel test that the ASan run runs (the -k selection below, by the same names)."""
-    return item.path.name == "test_emulated_kernels.py" and not any(name in item.nodeid for name in ASAN_LEAVES_OUT)
+    return (item.path.name == "test_emulated_kernels.py" and not any(name in item.nodeid for name in ASAN_LEAVES_OUT)
+            and rotating_share(item.name, 2, "asan"))
 
 
 def sanitized(sanitizer, tmp):
     """The emulated-kernel module under ASan, but for ASAN_LEAVES_OUT; under TSan the tests marked for it (every
-    kernel and path, small: TSan pays for a thread per GPU thread per block)."""
+    kernel and path, small: TSan pays for a thread per GPU thread per block), but for TSAN_LEAVES_OUT."""
     seed = {"address": 3, "thread": 2}[sanitizer]
-    selection = " and ".join(f"not {name}" for name in ASAN_LEAVES_OUT) if sanitizer == "address" else "tsan"
+    leaves_out = ASAN_LEAVES_OUT if sanitizer == "address" else (TSAN_LEAVES_OUT,)
+    selection = " and ".join(f"not {name}" for name in leaves_out)
     # the ASan run on two workers of its own (CI time: the longest run of the suite), so that it is not the last
     # test left; TSan in one process
     workers = {"address": 2, "thread": 1}[sanitizer]
-    return finish(emulated_tests(selection, sanitizer, seed, tmp=tmp, marker=sanitizer == "thread", workers=workers))
+    marker = "tsan" if sanitizer == "thread" else None
+    share = {"FK_EMU_ASAN_SHARE": "1"} if sanitizer == "address" else {}  # conftest.RunOnce: the ASan half only
+    return finish(emulated_tests(selection, sanitizer, seed, tmp=tmp, marker=marker, workers=workers, env_extra=share))
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address"])
