@@ -55,15 +55,10 @@ def rotation():
 ROTATION = rotation()
 
 
-def rotating_choice(choices, check):
-    """One of `choices` for this commit (ROTATION): a check that runs one part of its cases a commit, so that every
-    part runs across commits. `check` names it, so that two checks choose independently."""
-    return choices[int(hashlib.sha1(f"{ROTATION} {check}".encode()).hexdigest()[:8], 16) % len(choices)]
-
-
-def rotating_share(name, parts, check):
-    """Whether the case `name` is in this commit's share of `check`'s cases, one in `parts`, rotating (ROTATION)."""
-    return int(hashlib.sha1(f"{ROTATION} {check} {name}".encode()).hexdigest()[:8], 16) % parts == 0
+def rotating_index(key, parts):
+    """Which of `parts` parts this commit (ROTATION) takes for `key` (a check, or a check and a case): so that a
+    check that runs one part a commit runs every part across commits, and two checks choose independently."""
+    return int(hashlib.sha1(f"{ROTATION} {key}".encode()).hexdigest()[:8], 16) % parts
 
 
 # pytest-xdist (README's test command: -n auto --dist loadgroup) hands tests out in collection order,

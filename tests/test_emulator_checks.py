@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import missing_tool, rotating_choice, rotating_share, subprocess_limit
+from conftest import missing_tool, rotating_index, subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
@@ -90,35 +90,35 @@ def finish(run, alone_seconds=300):
 # ---------------------------------------------------------------- every kernel under each sanitizer
 
 
-# What the ASan run leaves out of the emulated-kernel module (-k): the wave32 launchers (CI time: the kernels'
+# What the ASan run leaves out of the emulated-kernel module: the wave32 launchers (CI time: the kernels'
 # indexing at 32 lanes a warp is the CUDA build's) and the batch-invariance tests (no kernel path of their own).
-# Of the rest it runs one test in two, a share that rotates with the code (CI time; conftest.rotating_share), so that
+# Of the rest it runs one test in two, a share that rotates with the code (CI time; conftest.rotating_index), so that
 # every test runs under ASan across commits; a whole suite's run runs the other half plain, and leaves the ASan
 # run's half out of its own (conftest.py): each test runs once a commit, one way or the other.
 ASAN_LEAVES_OUT = ("hip-wave32", "batch_invariant")
 # The TSan tour: every kernel and path on the CUDA launchers each commit, and on one of the two HIP widths, rotating
 # (CI time: a TSan thread for every GPU thread makes each tour minutes long).
-TSAN_LEAVES_OUT = rotating_choice(("hip-wave64", "hip-wave32"), "tsan-hip")
+TSAN_LEAVES_OUT = ("hip-wave64", "hip-wave32")[rotating_index("tsan-hip", 2)]
 
 
 def covered_by_asan(item):
-    """An emulated-kernel test that the ASan run runs (the -k selection below, by the same names)."""
+    """An emulated-kernel test that the ASan run runs (the same function selects them there: conftest.RunOnce)."""
     return (item.path.name == "test_emulated_kernels.py" and not any(name in item.nodeid for name in ASAN_LEAVES_OUT)
-            and rotating_share(item.name, 2, "asan"))
+            and rotating_index(f"asan {item.name}", 2) == 0)
 
 
 def sanitized(sanitizer, tmp):
-    """The emulated-kernel module under ASan, but for ASAN_LEAVES_OUT; under TSan the tests marked for it (every
-    kernel and path, small: TSan pays for a thread per GPU thread per block), but for TSAN_LEAVES_OUT."""
+    """The emulated-kernel module under ASan, the tests covered_by_asan (conftest.RunOnce selects them in that run);
+    under TSan the tests marked for it (every kernel and path, small: TSan pays for a thread per GPU thread per
+    block), but for TSAN_LEAVES_OUT."""
     seed = {"address": 3, "thread": 2}[sanitizer]
-    leaves_out = ASAN_LEAVES_OUT if sanitizer == "address" else (TSAN_LEAVES_OUT,)
-    selection = " and ".join(f"not {name}" for name in leaves_out)
     # the ASan run on two workers of its own (CI time: the longest run of the suite), so that it is not the last
     # test left; TSan in one process
-    workers = {"address": 2, "thread": 1}[sanitizer]
-    marker = "tsan" if sanitizer == "thread" else None
-    share = {"FK_EMU_ASAN_SHARE": "1"} if sanitizer == "address" else {}  # conftest.RunOnce: the ASan half only
-    return finish(emulated_tests(selection, sanitizer, seed, tmp=tmp, marker=marker, workers=workers, env_extra=share))
+    if sanitizer == "address":
+        run = emulated_tests(sanitizer=sanitizer, seed=seed, tmp=tmp, workers=2, env_extra={"FK_EMU_ASAN_SHARE": "1"})
+    else:
+        run = emulated_tests(f"not {TSAN_LEAVES_OUT}", sanitizer, seed, tmp=tmp, marker="tsan")
+    return finish(run)
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address"])
