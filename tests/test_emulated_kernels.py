@@ -192,7 +192,10 @@ def nan_like(t):
 # ---------------------------------------------------------------- rmsnorm
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 1), (37, 7), (37, 769), (4, 4096), (3, 5125), (2, 40000)])
+# Rows held 4 vectors a thread (4096; 12000: 3 of 4 used, fused with its weight after the reduction) and 8
+# (20000 at 16 bits), 2 fused (4096, 5125), streamed (40000), scalar (7, 769, 5125).
+@pytest.mark.parametrize("rows,cols", [(1, 1), (37, 7), (37, 769), (4, 4096), (3, 5125), (2, 12000), (3, 20000),
+                                       (2, 40000)])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("weight_fp32", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
@@ -230,6 +233,37 @@ def test_rmsnorm_kernel_layouts(emu, dtype):
     ok(emu.emu_rmsnorm(ptr(out), ptr(q), None, ptr(w), 72, 64, layout(out), layout(q), layout(q), DTYPE[dtype],
                        DTYPE[dtype], ctypes.c_float(1e-6), ctypes.c_float(0.0)))
     assert_close(out, ref.rmsnorm(q.double(), w.double(), 1e-6), dtype)
+
+
+def test_rmsnorm_rows_over_the_grid(emu):
+    """More rows than resident blocks (the emulated device holds 8): each block walks rows, a row spanning
+    warps, so the one-barrier reduction alternates its scratch halves (a mutant that does not is a TSan
+    race); held in registers, plain and fused."""
+    test_rmsnorm_kernel(emu, 24, 4096, torch.bfloat16, weight_fp32=False, residual=False)
+    test_rmsnorm_kernel(emu, 24, 4096, torch.bfloat16, weight_fp32=False, residual=True)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_kernel_tails(emu, dtype, residual):
+    """16-byte rows whose last vector is partial, on every in-register path (the tail's own element-wise
+    loads and stores) and streamed: rows padded to a 16-byte stride (exact allocations: under ASan a read
+    past the last row's end is reported)."""
+    for cols in (4093, 12003, 20003, 40003):
+        stride = (cols + 15) // 16 * 16
+        x = rand((3, stride), dtype, "cpu", seed=8)[:, :cols]
+        res = rand((3, stride), dtype, "cpu", seed=9)[:, :cols]
+        w = rand((cols,), dtype, "cpu", seed=10)
+        out = x if residual else torch.full((3, stride), float("nan"), dtype=dtype)[:, :cols]  # 16-byte rows too
+        x_in, res_in = x.clone(), res.clone()
+        ok(emu.emu_rmsnorm(ptr(out), ptr(x), ptr(res) if residual else None, ptr(w), 3, cols, layout(out), layout(x),
+                           layout(res), DTYPE[dtype], DTYPE[dtype], ctypes.c_float(1e-6), ctypes.c_float(0.0)))
+        if residual:
+            expected_y, expected_res = ref.fused_add_rmsnorm(x_in.double(), res_in.double(), w.double())
+            assert_close(res, expected_res, dtype)
+            assert_close(out, expected_y, dtype)
+        else:
+            assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (37, 769), (300, 128), (2, 20000)])
@@ -1186,6 +1220,8 @@ def test_every_kernel_and_path(attention_lib):
     test_rmsnorm_kernel(lib, 37, 769, torch.bfloat16, weight_fp32=False, residual=True)  # scalar, fused
     test_rmsnorm_kernel(lib, 4, 4096, torch.float16, weight_fp32=True, residual=False)  # 16-byte vectors
     test_rmsnorm_kernel(lib, 2, 40000, torch.float32, weight_fp32=False, residual=False)  # streamed rows
+    test_rmsnorm_rows_over_the_grid(lib)  # in registers, 2 and 4 vectors a thread, blocks walking rows
+    test_rmsnorm_kernel(lib, 2, 12000, torch.bfloat16, weight_fp32=False, residual=True)  # fused, 4 a thread
     # many rows a block (dw combine); not the streamed backward: its dw reduction is a 1024-thread block
     # per 32 columns, hundreds of thousands of TSan threads
     test_rmsnorm_backward_kernel(lib, 300, 128, torch.bfloat16, 1e-6)

@@ -143,12 +143,25 @@ MUTANTS = {
         "    __syncthreads();\n    merge_parts_and_store", "    merge_parts_and_store",
         None, "test_batch_attention_kernels and cuda-2-128-1", r"Mismatched elements|AssertionError",
     ),
+    # the one-barrier row reduction writing the same scratch half every row: a fast warp's partial for the
+    # next row overwrites one that a slow warp is still summing
+    "row_sum_one_scratch_half": (
+        "include/flashkern/reduce.h",
+        "sum_impl<kN, false>(v, scratch + (call & 1) * kN * kMaxWarps);", "sum_impl<kN, false>(v, scratch);",
+        "thread", "test_rmsnorm_rows_over_the_grid", r"ThreadSanitizer: data race",
+    ),
+    # the in-register rmsnorm's partial last vector one element longer: a read past the row
+    "rmsnorm_tail_past_the_row": (
+        "include/flashkern/kernels/rmsnorm.cuh",
+        "const int tail = int(p.cols % kVec);", "const int tail = int(p.cols % kVec) + 1;",
+        "address", "test_rmsnorm_kernel_tails and False-bfloat16", r"AddressSanitizer: heap-buffer-overflow",
+    ),
     # a partial vector at the end of a row reads one element more
     "read_past_a_row": (
         "include/flashkern/kernels/rmsnorm.cuh",
         "return rest <= 0 ? 0 : (rest < kVec ? int(rest) : kVec);",
         "return rest <= 0 ? 0 : (rest < kVec ? int(rest) + 1 : kVec);",
-        "address", "test_rmsnorm_kernel_layouts and float16", r"AddressSanitizer: heap-buffer-overflow",
+        "address", "test_rmsnorm_kernel_tails and False-float16", r"AddressSanitizer: heap-buffer-overflow",
     ),
     # softmax: a chunk's scalar tail reads one element past the chunk (past the row, for the last)
     "softmax_tail_past_the_row": (

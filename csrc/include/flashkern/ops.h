@@ -23,8 +23,9 @@ enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 // 512 threads leave each thread up to 128 registers: 8 vectors of the row (and, fused, of the
 // residual) in flight without spilling; rows up to 512 * 8 vectors (32K bf16, 16K fp32) are read once.
 inline constexpr RowPlanLimits kRmsnormLimits{512, 8, 4, 256};
-// The fused add keeps each element's fp32 sum in registers (twice a 16-bit element's room): half the vectors.
-inline constexpr RowPlanLimits kFusedRmsnormLimits{512, 4, 4, 256};
+// The fused add keeps each element's fp32 sum in registers (twice a 16-bit element's room): half the vectors,
+// and it aims at 2 a thread (4 loads in flight with the residual's; 64 registers: kernels/rmsnorm.cuh).
+inline constexpr RowPlanLimits kFusedRmsnormLimits{512, 4, 2, 256};
 // The backward keeps x, dy and the dw partial sums of its columns in registers: fewer of each.
 inline constexpr RowPlanLimits kRmsnormBackwardLimits{512, 4, 2, 256};
 

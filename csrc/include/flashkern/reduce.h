@@ -17,6 +17,20 @@ struct RowGroup {
   // `scratch` holds kMaxWarps floats of shared memory per value summed.
   template <int kN>
   FK_DEVICE void sum(float (&v)[kN], float* scratch) const {
+    sum_impl<kN, true>(v, scratch);
+  }
+
+  // The same with one barrier: calls alternate between the two halves of a scratch twice as large
+  // (`call` counts them), so a half is written again only after the barrier of the call between,
+  // which every thread reaches after reading it.
+  template <int kN>
+  FK_DEVICE void sum_alternating(float (&v)[kN], float* scratch, int64_t call) const {
+    sum_impl<kN, false>(v, scratch + (call & 1) * kN * kMaxWarps);
+  }
+
+ private:
+  template <int kN, bool kGuardScratch>
+  FK_DEVICE void sum_impl(float (&v)[kN], float* scratch) const {
 #pragma unroll
     for (int offset = kWarp / 2; offset >= 1; offset >>= 1) {
       if (offset < threads) {
@@ -29,7 +43,7 @@ struct RowGroup {
       const int warp = threadIdx.x / kWarp;
       const int warps_per_row = threads / kWarp;
       const int first = warp - warp % warps_per_row;
-      __syncthreads();  // scratch may still be read by a previous call
+      if (kGuardScratch) __syncthreads();  // scratch may still be read by a previous call
       if (threadIdx.x % kWarp == 0) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) scratch[i * kMaxWarps + warp] = v[i];

@@ -42,6 +42,10 @@ struct Vec {
   FK_DEVICE float f(int i) const { return to_float(get(i)); }
   FK_DEVICE void set(int i, float x) { put(i, from_float<T>(x)); }
 
+  FK_DEVICE void zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0u;
+  }
   // Load the `n` valid elements at p (n == N takes the 16-byte path); the rest are zero.
   FK_DEVICE void load(const T* p, int n = N) {
     if (kWide && n == N) {
@@ -51,8 +55,7 @@ struct Vec {
         w[4 * c] = q.x, w[4 * c + 1] = q.y, w[4 * c + 2] = q.z, w[4 * c + 3] = q.w;
       }
     } else {
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) w[i] = 0u;
+      zero();
 #pragma unroll
       for (int i = 0; i < N; ++i)
         if (i < n) put(i, p[i]);

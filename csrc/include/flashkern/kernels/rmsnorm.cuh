@@ -8,6 +8,8 @@
 // rows read x and residual twice), backward 3 * sizeof(T); the weight is read once per row from L1/L2.
 #pragma once
 
+#include <algorithm>
+
 #include "flashkern/dispatch.h"
 #include "flashkern/ops.h"
 #include "flashkern/reduce.h"
@@ -22,17 +24,117 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
   return rest <= 0 ? 0 : (rest < kVec ? int(rest) : kVec);
 }
 
-template <int kWarp, typename T, typename W, int kVec, bool kResidual>
-FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
-  constexpr int kMaxVecs = (kResidual ? kFusedRmsnormLimits : kRmsnormLimits).max_vecs_per_thread;
+// A row held in registers: kVecs 16-byte vectors a thread (a compile-time count, so that every load of
+// x, the residual and the weight is issued before the first is used), vector k of the row group's lane
+// being lane + k * tpr. Full vectors take predicated 16-byte loads and stores; the row's partial last
+// vector (cols % kVec elements) has its own element-wise path after them. One barrier a row at most.
+template <int kWarp, typename T, typename W, int kVec, int kVecs, bool kResidual>
+FK_DEVICE void rmsnorm_rows_in_registers(const RmsnormParams& p, const RowPlan& plan) {
   using S = std::conditional_t<kResidual, float, T>;  // what is normalized: fused, the unrounded fp32 sum
-  FK_STATIC_SHARED(float, scratch, [RowGroup<kWarp>::kMaxWarps]);
+  FK_STATIC_SHARED(float, scratch, [2 * RowGroup<kWarp>::kMaxWarps]);
+  const int tpr = plan.threads_per_row;
+  const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
+  const W* w = static_cast<const W*>(p.weight);
+  // The weight is loaded with x, but where a fused thread holds more than two vectors: beside x and the
+  // residual in flight it would not fit in 64 registers. There, it is loaded after the reduction, half
+  // its vectors at a time.
+  constexpr bool kWeightWithX = !kResidual || kVecs <= 2;
+  constexpr int kWeightBatch = kWeightWithX ? kVecs : kVecs / 2;
+  const int64_t full = p.cols / kVec;     // full vectors of a row
+  const int tail = int(p.cols % kVec);  // elements of its partial last vector (vector `full`), if any
+
+  int64_t call = 0;
+  for (int64_t base = int64_t(blockIdx.x) * plan.rows_per_block; base < p.rows;
+       base += int64_t(gridDim.x) * plan.rows_per_block, ++call) {
+    const int64_t row = base + threadIdx.x / tpr;
+    const bool active = row < p.rows;  // inactive groups still join the reduction
+    const int64_t row_full = active ? full : 0;
+    const bool row_tail = active && tail != 0;
+    const T* x = static_cast<const T*>(p.input) + (active ? p.input_rows.offset(row) : 0);
+    T* res = kResidual ? static_cast<T*>(p.residual) + (active ? p.residual_rows.offset(row) : 0) : nullptr;
+    T* y = static_cast<T*>(p.out) + (active ? p.out_rows.offset(row) : 0);
+
+    Vec<T, kVec> xt[kVecs], rt[kVecs];
+    Vec<W, kVec> wv[kVecs];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {  // every full vector's loads, none used yet
+      const int64_t v = group.lane + int64_t(k) * tpr;
+      xt[k].zero(), wv[k].zero();
+      if (kResidual) rt[k].zero();
+      if (v < row_full) {
+        xt[k].load(x + v * kVec);
+        if (kResidual) rt[k].load(res + v * kVec);
+        if (kWeightWithX) wv[k].load(w + v * kVec);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {  // the partial vector, element by element
+      const int64_t v = group.lane + int64_t(k) * tpr;
+      if (row_tail && v == full) {
+        xt[k].load(x + v * kVec, tail);
+        if (kResidual) rt[k].load(res + v * kVec, tail);
+        if (kWeightWithX) wv[k].load(w + v * kVec, tail);
+      }
+    }
+
+    Vec<S, kVec> xv[kVecs];
+    float ss[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if constexpr (kResidual) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float sum = xt[k].f(i) + rt[k].f(i);
+          xv[k].set(i, sum);
+          rt[k].set(i, sum);
+        }
+        const int64_t v = group.lane + int64_t(k) * tpr;
+        if (v < row_full) rt[k].store(res + v * kVec);
+        if (row_tail && v == full) rt[k].store(res + v * kVec, tail);
+      } else {
+        xv[k] = xt[k];
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) ss[0] += xv[k].f(i) * xv[k].f(i);
+    }
+    group.sum_alternating(ss, scratch, call);
+    const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+#pragma unroll
+    for (int k0 = 0; k0 < kVecs; k0 += kWeightBatch) {
+      if constexpr (!kWeightWithX) {
+#pragma unroll
+        for (int k = k0; k < k0 + kWeightBatch; ++k) {
+          const int64_t v = group.lane + int64_t(k) * tpr;
+          if (v < row_full) wv[k].load(w + v * kVec);
+          if (row_tail && v == full) wv[k].load(w + v * kVec, tail);
+        }
+      }
+#pragma unroll
+      for (int k = k0; k < k0 + kWeightBatch; ++k) {
+        const int64_t v = group.lane + int64_t(k) * tpr;
+        Vec<T, kVec> yv;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) yv.set(i, xv[k].f(i) * r * (wv[k].f(i) + p.weight_offset));
+        if (v < row_full) yv.store(y + v * kVec);
+        if (row_tail && v == full) yv.store(y + v * kVec, tail);
+      }
+    }
+  }
+}
+
+// A row too long for registers (or not 16-byte aligned): streamed, read twice (the second pass from L2
+// mostly); the residual is stored on the second pass, which adds x and residual again.
+template <int kWarp, typename T, typename W, int kVec, bool kResidual>
+FK_DEVICE void rmsnorm_rows_streamed(const RmsnormParams& p, const RowPlan& plan) {
+  using S = std::conditional_t<kResidual, float, T>;
+  FK_STATIC_SHARED(float, scratch, [2 * RowGroup<kWarp>::kMaxWarps]);
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
   const W* w = static_cast<const W*>(p.weight);
 
+  int64_t call = 0;
   for (int64_t base = int64_t(blockIdx.x) * plan.rows_per_block; base < p.rows;
-       base += int64_t(gridDim.x) * plan.rows_per_block) {
+       base += int64_t(gridDim.x) * plan.rows_per_block, ++call) {
     const int64_t row = base + threadIdx.x / tpr;
     const bool active = row < p.rows;  // inactive groups still join the reduction
     const int64_t cols = active ? p.cols : 0;
@@ -63,53 +165,49 @@ FK_DEVICE void rmsnorm_rows(const RmsnormParams& p, const RowPlan& plan) {
       for (int i = 0; i < kVec; ++i) ss += xv.f(i) * xv.f(i);
       return ss;
     };
-    auto store_output = [&](const Vec<S, kVec>& xv, int64_t v, float r) {
+
+    float ss[1] = {0.f};
+    const int64_t row_vecs = ceil_div(cols, kVec);
+    for (int64_t v = group.lane; v < row_vecs; v += tpr) {
+      Vec<S, kVec> xv;
+      ss[0] += load_input(xv, v, false);
+    }
+    group.sum_alternating(ss, scratch, call);
+    const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
+    for (int64_t v = group.lane; v < row_vecs; v += tpr) {
       const int n = vec_elems<kVec>(v, cols);
+      Vec<S, kVec> xv;
+      load_input(xv, v, true);
       Vec<W, kVec> wv;
       wv.load(w + v * kVec, n);
       Vec<T, kVec> yv;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) yv.set(i, xv.f(i) * r * (wv.f(i) + p.weight_offset));
       yv.store(y + v * kVec, n);
-    };
-
-    float ss[1] = {0.f};
-    if (plan.in_registers) {
-      Vec<S, kVec> xv[kMaxVecs];
-#pragma unroll
-      for (int k = 0; k < kMaxVecs; ++k)
-        if (k < plan.vecs_per_thread) ss[0] += load_input(xv[k], group.lane + int64_t(k) * tpr, true);
-      group.sum(ss, scratch);
-      const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
-#pragma unroll
-      for (int k = 0; k < kMaxVecs; ++k)
-        if (k < plan.vecs_per_thread) store_output(xv[k], group.lane + int64_t(k) * tpr, r);
-    } else {
-      // Streamed: the residual is stored on the second pass, which adds x and residual again.
-      const int64_t row_vecs = ceil_div(cols, kVec);
-      for (int64_t v = group.lane; v < row_vecs; v += tpr) {
-        Vec<S, kVec> xv;
-        ss[0] += load_input(xv, v, false);
-      }
-      group.sum(ss, scratch);
-      const float r = rsqrtf(ss[0] / float(p.cols) + p.eps);
-      for (int64_t v = group.lane; v < row_vecs; v += tpr) {
-        Vec<S, kVec> xv;
-        load_input(xv, v, true);
-        store_output(xv, v, r);
-      }
     }
   }
 }
 
-template <int kWarp, typename T, typename W, int kVec, bool kResidual>
-__global__ void __launch_bounds__(kRmsnormLimits.max_block_threads, 1)
+// The 32-bit registers that a thread's loads take at once: x, the residual (fused) and the weight (or half
+// of it, after the reduction: rmsnorm_rows_in_registers).
+template <typename T, typename W, int kVec, int kVecs, bool kResidual>
+inline constexpr int kRmsnormValueRegisters =
+    kVecs * kVec * (kResidual ? 2 : 1) * int(sizeof(T)) / 4 +
+    (!kResidual || kVecs <= 2 ? kVecs : kVecs / 2) * kVec * int(sizeof(W)) / 4;
+
+// kVecs: the vectors a thread holds (rmsnorm_rows_in_registers), or 0: streamed. Where its values take 32
+// registers or fewer, two blocks of the widest an SM: 64 registers, 4 of the usual 256-thread blocks.
+template <int kWarp, typename T, typename W, int kVec, int kVecs, bool kResidual>
+__global__ void __launch_bounds__(kRmsnormLimits.max_block_threads,
+                                  (kRmsnormValueRegisters<T, W, kVec, kVecs, kResidual> <= 32 ? 2 : 1))
     rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
   pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
     trap();
+  } else if constexpr (kVecs > 0) {
+    rmsnorm_rows_in_registers<kWarp, T, W, kVec, kVecs, kResidual>(p, plan);
   } else {
-    rmsnorm_rows<kWarp, T, W, kVec, kResidual>(p, plan);
+    rmsnorm_rows_streamed<kWarp, T, W, kVec, kResidual>(p, plan);
   }
   pdl_launch_dependents();  // this block has read and written what it will
 }
@@ -283,6 +381,17 @@ __global__ void __launch_bounds__(kReduceTile* kReduceTile)
 
 // ---- launchers, shared by the CUDA and HIP translation units ----
 
+// The vectors a thread holds, as a compile-time count: the plan's aim (rows of up to that many vectors a
+// thread; fewer are predicated off), the most held in registers, or 0 (streamed).
+template <bool kResidual, typename F>
+decltype(auto) with_rmsnorm_vecs(const RowPlan& plan, F&& f) {
+  constexpr RowPlanLimits kLimits = kResidual ? kFusedRmsnormLimits : kRmsnormLimits;
+  constexpr int kShort = kLimits.target_vecs_per_thread, kMax = kLimits.max_vecs_per_thread;
+  if (plan.in_registers && plan.vecs_per_thread <= kShort) return f(std::integral_constant<int, kShort>{});
+  if (plan.in_registers) return f(std::integral_constant<int, kMax>{});
+  return f(std::integral_constant<int, 0>{});
+}
+
 template <int kWarp>
 const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
   if (p.rows == 0) return nullptr;
@@ -300,9 +409,19 @@ const char* run_rmsnorm(const RmsnormParams& p, gpuStream_t stream) {
         return with_bool(residual, [&](auto res_c) {
           constexpr bool kResidual = decltype(res_c)::value;
           const RowPlan plan = plan_rows(p.rows, p.cols, kV, kResidual ? kFusedRmsnormLimits : kRmsnormLimits);
-          constexpr auto kernel = rmsnorm_kernel<kWarp, T, W, kV, kResidual>;
-          FK_LAUNCH_PDL(kernel, dim3(unsigned(plan.blocks)), dim3(plan.block_threads), 0, stream, p.pdl)(p, plan);
-          return last_launch_error();
+          auto launch = [&](auto vecs_c) {
+            constexpr auto kernel = rmsnorm_kernel<kWarp, T, W, kV, decltype(vecs_c)::value, kResidual>;
+            // no more blocks than are resident at once: each walks rows over the grid (no block launches
+            // and exits between rows)
+            int64_t blocks = plan.blocks;
+            const int64_t sms = gpuMultiprocessorCount(gpuCurrentDevice());
+            if (blocks > sms) blocks = std::min<int64_t>(blocks, sms * gpuMaxActiveBlocksPerSM(kernel, plan.block_threads));
+            FK_LAUNCH_PDL(kernel, dim3(unsigned(blocks)), dim3(plan.block_threads), 0, stream, p.pdl)(p, plan);
+            return last_launch_error();
+          };
+          // rows that are not 16-byte aligned are streamed (rare: a 16-bit row starting off a 16-byte boundary)
+          if constexpr (kV == 1) return launch(std::integral_constant<int, 0>{});
+          else return with_rmsnorm_vecs<kResidual>(plan, launch);
         });
       });
     });
