@@ -192,8 +192,8 @@ def nan_like(t):
 # ---------------------------------------------------------------- rmsnorm
 
 
-# Rows held 4 vectors a thread (4096; 12000: 3 of 4 used, fused with its weight after the reduction) and 8
-# (20000 at 16 bits), 2 fused (4096, 5125), streamed (40000), scalar (7, 769, 5125).
+# Rows held 4 vectors a thread (4096; 12000: 3 of 4 used) and 8 (16-bit with an fp32 weight: the weight after the reduction)
+# at 20000 columns, 2 fused (4096, 5125), streamed (40000), scalar (7, 769, 5125).
 @pytest.mark.parametrize("rows,cols", [(1, 1), (37, 7), (37, 769), (4, 4096), (3, 5125), (2, 12000), (3, 20000),
                                        (2, 40000)])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

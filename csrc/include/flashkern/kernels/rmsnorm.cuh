@@ -24,6 +24,19 @@ FK_DEVICE int vec_elems(int64_t v, int64_t cols) {
   return rest <= 0 ? 0 : (rest < kVec ? int(rest) : kVec);
 }
 
+// The 32-bit registers that a thread's loads of x, the residual (fused) and the weight take together; where
+// that is over 64 the weight is loaded after the reduction instead, half at a time (rmsnorm_rows_in_registers).
+template <typename T, typename W, int kVec, int kVecs, bool kResidual>
+inline constexpr int kRmsnormLoadRegisters = kVecs * kVec * ((kResidual ? 2 : 1) * int(sizeof(T)) + int(sizeof(W))) / 4;
+template <typename T, typename W, int kVec, int kVecs, bool kResidual>
+inline constexpr bool kRmsnormWeightWithX = kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual> <= 64;
+// The registers the row's values take at once.
+template <typename T, typename W, int kVec, int kVecs, bool kResidual>
+inline constexpr int kRmsnormValueRegisters =
+    kRmsnormWeightWithX<T, W, kVec, kVecs, kResidual>
+        ? kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual>
+        : kVecs * kVec * (kResidual ? 2 : 1) * int(sizeof(T)) / 4 + (kVecs / 2) * kVec * int(sizeof(W)) / 4;
+
 // A row held in registers: kVecs 16-byte vectors a thread (a compile-time count, so that every load of
 // x, the residual and the weight is issued before the first is used), vector k of the row group's lane
 // being lane + k * tpr. Full vectors take predicated 16-byte loads and stores; the row's partial last
@@ -35,10 +48,9 @@ FK_DEVICE void rmsnorm_rows_in_registers(const RmsnormParams& p, const RowPlan& 
   const int tpr = plan.threads_per_row;
   const RowGroup<kWarp> group{tpr, int(threadIdx.x) & (tpr - 1)};
   const W* w = static_cast<const W*>(p.weight);
-  // The weight is loaded with x, but where a fused thread holds more than two vectors: beside x and the
-  // residual in flight it would not fit in 64 registers. There, it is loaded after the reduction, half
+  // The weight is loaded with x where the loads fit in 64 registers; otherwise after the reduction, half
   // its vectors at a time.
-  constexpr bool kWeightWithX = !kResidual || kVecs <= 2;
+  constexpr bool kWeightWithX = kRmsnormWeightWithX<T, W, kVec, kVecs, kResidual>;
   constexpr int kWeightBatch = kWeightWithX ? kVecs : kVecs / 2;
   const int64_t full = p.cols / kVec;     // full vectors of a row
   const int tail = int(p.cols % kVec);  // elements of its partial last vector (vector `full`), if any
@@ -187,13 +199,6 @@ FK_DEVICE void rmsnorm_rows_streamed(const RmsnormParams& p, const RowPlan& plan
     }
   }
 }
-
-// The 32-bit registers that a thread's loads take at once: x, the residual (fused) and the weight (or half
-// of it, after the reduction: rmsnorm_rows_in_registers).
-template <typename T, typename W, int kVec, int kVecs, bool kResidual>
-inline constexpr int kRmsnormValueRegisters =
-    kVecs * kVec * (kResidual ? 2 : 1) * int(sizeof(T)) / 4 +
-    (!kResidual || kVecs <= 2 ? kVecs : kVecs / 2) * kVec * int(sizeof(W)) / 4;
 
 // kVecs: the vectors a thread holds (rmsnorm_rows_in_registers), or 0: streamed. Where its values take 32
 // registers or fewer, two blocks of the widest an SM: 64 registers, 4 of the usual 256-thread blocks.
