@@ -203,16 +203,22 @@ def test_rmsnorm_kernel(emu, rows, cols, dtype, weight_fp32, residual):
     x = rand((rows, cols), dtype, "cpu", seed=1)
     res = rand((rows, cols), dtype, "cpu", seed=2)
     w = rand((cols,), torch.float32 if weight_fp32 else dtype, "cpu", seed=3)
-    out = x if residual else nan_like(x)  # the fused op writes its input in place
-    x_in, res_in = x.clone(), res.clone()
-    ok(emu.emu_rmsnorm(ptr(out), ptr(x), ptr(res) if residual else None, ptr(w), rows, cols, layout(out), layout(x),
-                       layout(res), DTYPE[dtype], DTYPE[w.dtype], ctypes.c_float(1e-6), ctypes.c_float(0.0)))
-    if residual:
+    check_rmsnorm(emu, x, res if residual else None, w, x if residual else nan_like(x))
+
+
+def check_rmsnorm(emu, x, res, w, out):
+    """The rmsnorm kernel on x (fused with res unless None: in place, out is x) against float64."""
+    x_in, res_in = x.clone(), None if res is None else res.clone()
+    rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+    ok(emu.emu_rmsnorm(ptr(out), ptr(x), None if res is None else ptr(res), ptr(w), rows, cols, layout(out), layout(x),
+                       layout(x if res is None else res), DTYPE[x.dtype], DTYPE[w.dtype], ctypes.c_float(1e-6),
+                       ctypes.c_float(0.0)))
+    if res is not None:
         expected_y, expected_res = ref.fused_add_rmsnorm(x_in.double(), res_in.double(), w.double())
-        assert_close(res, expected_res, dtype)
-        assert_close(out, expected_y, dtype)
+        assert_close(res, expected_res, x.dtype)
+        assert_close(out, expected_y, x.dtype)
     else:
-        assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+        assert_close(out, ref.rmsnorm(x_in.double(), w.double(), 1e-6), x.dtype)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -255,15 +261,7 @@ def test_rmsnorm_kernel_tails(emu, dtype, residual):
         res = rand((3, stride), dtype, "cpu", seed=9)[:, :cols]
         w = rand((cols,), dtype, "cpu", seed=10)
         out = x if residual else torch.full((3, stride), float("nan"), dtype=dtype)[:, :cols]  # 16-byte rows too
-        x_in, res_in = x.clone(), res.clone()
-        ok(emu.emu_rmsnorm(ptr(out), ptr(x), ptr(res) if residual else None, ptr(w), 3, cols, layout(out), layout(x),
-                           layout(res), DTYPE[dtype], DTYPE[dtype], ctypes.c_float(1e-6), ctypes.c_float(0.0)))
-        if residual:
-            expected_y, expected_res = ref.fused_add_rmsnorm(x_in.double(), res_in.double(), w.double())
-            assert_close(res, expected_res, dtype)
-            assert_close(out, expected_y, dtype)
-        else:
-            assert_close(out, ref.rmsnorm(x.double(), w.double(), 1e-6), dtype)
+        check_rmsnorm(emu, x, res if residual else None, w, out)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (37, 769), (300, 128), (2, 20000)])

@@ -30,12 +30,6 @@ template <typename T, typename W, int kVec, int kVecs, bool kResidual>
 inline constexpr int kRmsnormLoadRegisters = kVecs * kVec * ((kResidual ? 2 : 1) * int(sizeof(T)) + int(sizeof(W))) / 4;
 template <typename T, typename W, int kVec, int kVecs, bool kResidual>
 inline constexpr bool kRmsnormWeightWithX = kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual> <= 64;
-// The registers the row's values take at once.
-template <typename T, typename W, int kVec, int kVecs, bool kResidual>
-inline constexpr int kRmsnormValueRegisters =
-    kRmsnormWeightWithX<T, W, kVec, kVecs, kResidual>
-        ? kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual>
-        : kVecs * kVec * (kResidual ? 2 : 1) * int(sizeof(T)) / 4 + (kVecs / 2) * kVec * int(sizeof(W)) / 4;
 
 // A row held in registers: kVecs 16-byte vectors a thread (a compile-time count, so that every load of
 // x, the residual and the weight is issued before the first is used), vector k of the row group's lane
@@ -200,11 +194,11 @@ FK_DEVICE void rmsnorm_rows_streamed(const RmsnormParams& p, const RowPlan& plan
   }
 }
 
-// kVecs: the vectors a thread holds (rmsnorm_rows_in_registers), or 0: streamed. Where its values take 32
+// kVecs: the vectors a thread holds (rmsnorm_rows_in_registers), or 0: streamed. Where its loads take 32
 // registers or fewer, two blocks of the widest an SM: 64 registers, 4 of the usual 256-thread blocks.
 template <int kWarp, typename T, typename W, int kVec, int kVecs, bool kResidual>
 __global__ void __launch_bounds__(kRmsnormLimits.max_block_threads,
-                                  (kRmsnormValueRegisters<T, W, kVec, kVecs, kResidual> <= 32 ? 2 : 1))
+                                  (kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual> <= 32 ? 2 : 1))
     rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
   pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
