@@ -22,6 +22,7 @@ enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 // registers, target vectors per thread, target threads per block for short rows}
 // 512 threads leave each thread up to 128 registers: 8 vectors of the row (and, fused, of the
 // residual) in flight without spilling; rows up to 512 * 8 vectors (32K bf16, 16K fp32) are read once.
+// Kernels whose loads take 32 registers or fewer are held to 64 (kernels/rmsnorm.cuh), for occupancy.
 inline constexpr RowPlanLimits kRmsnormLimits{512, 8, 4, 256};
 // The fused add keeps each element's fp32 sum in registers (twice a 16-bit element's room): half the vectors,
 // and it aims at 2 a thread (4 loads in flight with the residual's; 64 registers: kernels/rmsnorm.cuh).

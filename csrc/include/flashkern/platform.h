@@ -102,7 +102,11 @@ inline int gpuWarpSize(int device) {
 template <typename Kernel>
 int gpuMaxActiveBlocksPerSM(Kernel kernel, int block_threads) {
   int n = 0;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0) == cudaSuccess && n > 0 ? n : 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();  // only sizes a grid: not the next launch's error
+    return 1;
+  }
+  return n > 0 ? n : 1;
 }
 #elif defined(FK_HIP)
 using gpuStream_t = hipStream_t;
@@ -125,7 +129,11 @@ inline int gpuWarpSize(int device) {
 template <typename Kernel>
 int gpuMaxActiveBlocksPerSM(Kernel kernel, int block_threads) {
   int n = 0;
-  return hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0) == hipSuccess && n > 0 ? n : 1;
+  if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0) != hipSuccess) {
+    (void)hipGetLastError();  // only sizes a grid: not the next launch's error
+    return 1;
+  }
+  return n > 0 ? n : 1;
 }
 #endif
 

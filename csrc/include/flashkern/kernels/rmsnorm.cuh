@@ -46,6 +46,7 @@ FK_DEVICE void rmsnorm_rows_in_registers(const RmsnormParams& p, const RowPlan& 
   // its vectors at a time.
   constexpr bool kWeightWithX = kRmsnormWeightWithX<T, W, kVec, kVecs, kResidual>;
   constexpr int kWeightBatch = kWeightWithX ? kVecs : kVecs / 2;
+  static_assert(kWeightBatch > 0 && kVecs % kWeightBatch == 0);
   const int64_t full = p.cols / kVec;     // full vectors of a row
   const int tail = int(p.cols % kVec);  // elements of its partial last vector (vector `full`), if any
 
@@ -195,10 +196,12 @@ FK_DEVICE void rmsnorm_rows_streamed(const RmsnormParams& p, const RowPlan& plan
 }
 
 // kVecs: the vectors a thread holds (rmsnorm_rows_in_registers), or 0: streamed. Where its loads take 32
-// registers or fewer, two blocks of the widest an SM: 64 registers, 4 of the usual 256-thread blocks.
+// registers or fewer (the streamed kernel holds one vector at a time: 0 counted), two blocks of the widest
+// an SM: 64 registers, 4 of the usual 256-thread blocks.
+static_assert(kFusedRmsnormLimits.max_block_threads <= kRmsnormLimits.max_block_threads);
 template <int kWarp, typename T, typename W, int kVec, int kVecs, bool kResidual>
-__global__ void __launch_bounds__(kRmsnormLimits.max_block_threads,
-                                  (kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual> <= 32 ? 2 : 1))
+__global__ void FK_LAUNCH_BOUNDS(kRmsnormLimits.max_block_threads,
+                                 (kRmsnormLoadRegisters<T, W, kVec, kVecs, kResidual> <= 32 ? 2 : 1))
     rmsnorm_kernel(RmsnormParams p, RowPlan plan) {
   pdl_wait();  // before any global memory access (platform.h: PDL)
   if (FK_WARP_SIZE_MISMATCH(kWarp)) {
