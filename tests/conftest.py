@@ -37,8 +37,12 @@ SAMPLED_FILES = {"test_decode.py", "test_prefill.py", "test_cascade.py", "test_n
                  "test_rope.py"}
 SAMPLE = {"emulate": 2, "emulate-wave64": 3}
 ROTATING = {"emulate"}  # emulate-wave64 keeps the share CI has always run (every third case from the first)
+# The same for the emulator checks (test_emulator_checks.py): the ASan run takes one emulated-kernel test in
+# SHARE["asan"], the mutants run one in SHARE["mutant"] a commit, each share rotating (rotating_index).
+SHARE = {"asan": 3, "mutant": 2}
 if "FLASHKERN_TEST_EMULATE_SAMPLE" in os.environ:
     SAMPLE = dict.fromkeys(SAMPLE, int(os.environ["FLASHKERN_TEST_EMULATE_SAMPLE"]))
+    SHARE = dict.fromkeys(SHARE, int(os.environ["FLASHKERN_TEST_EMULATE_SAMPLE"]))
 
 
 def rotation():

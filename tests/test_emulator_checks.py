@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import missing_tool, rotating_index, subprocess_limit
+from conftest import SHARE, missing_tool, rotating_index, subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
@@ -92,7 +92,7 @@ def finish(run, alone_seconds=300):
 
 # What the ASan run leaves out of the emulated-kernel module: the wave32 launchers (CI time: the kernels'
 # indexing at 32 lanes a warp is the CUDA build's) and the batch-invariance tests (no kernel path of their own).
-# Of the rest it runs one test in two, a share that rotates with the code (CI time; conftest.rotating_index), so that
+# Of the rest it runs one test in three, a share that rotates with the code (CI time; conftest.SHARE), so that
 # every test runs under ASan across commits; a whole suite's run runs the other half plain, and leaves the ASan
 # run's half out of its own (conftest.py): each test runs once a commit, one way or the other.
 ASAN_LEAVES_OUT = ("hip-wave32", "batch_invariant")
@@ -104,7 +104,7 @@ TSAN_LEAVES_OUT = ("hip-wave64", "hip-wave32")[rotating_index("tsan-hip", 2)]
 def covered_by_asan(item):
     """An emulated-kernel test that the ASan run runs (the same function selects them there: conftest.RunOnce)."""
     return (item.path.name == "test_emulated_kernels.py" and not any(name in item.nodeid for name in ASAN_LEAVES_OUT)
-            and rotating_index(f"asan {item.name}", 2) == 0)
+            and rotating_index(f"asan {item.name}", SHARE["asan"]) == 0)
 
 
 def sanitized(sanitizer, tmp):
@@ -304,6 +304,9 @@ def mutant_run(mutant, tmp):
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutant_is_caught(mutant, scratch):
+    if rotating_index(f"mutant {mutant}", SHARE["mutant"]):  # each a rebuild under its sanitizer: 20-40 s
+        pytest.skip(f"one mutant in {SHARE['mutant']} a commit, rotating (CI time; FLASHKERN_TEST_EMULATE_SAMPLE=1 "
+                    "runs all)")
     sanitizer, expected = MUTANTS[mutant][3], MUTANTS[mutant][5]
     code, log = mutant_run(mutant, scratch)
     assert code is not None, log
