@@ -7,6 +7,7 @@ and ignore where forward branches go, which is exact for branch-free bodies and 
 """
 
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -35,16 +36,31 @@ MISSING_DISASSEMBLER = ("no cuobjdump and nvdisasm: install the nvidia-cuda-cuob
                         "(scripts/setup.sh does) or put a CUDA toolkit's bin on PATH")
 
 
-def dump_sass(cubin):
-    """cuobjdump -sass of a cubin (or an object or library holding cubins), as text."""
+def cuobjdump(option, path):
+    """cuobjdump `option` (-sass, -ptx) of a cubin, or of an object or library holding a fat binary, as text."""
     tools = disassembler()
     if tools is None:
         raise RuntimeError(MISSING_DISASSEMBLER)
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    done = subprocess.run([str(tools / "cuobjdump"), option, str(path)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"cuobjdump -sass {cubin}: {done.stderr.strip()}")
+        raise RuntimeError(f"cuobjdump {option} {path}: {done.stderr.strip()}")
     return done.stdout
+
+
+def dump_sass(cubin):
+    return cuobjdump("-sass", cubin)
+
+
+def by_arch(text):
+    """{'sm_90': text} of cuobjdump output over a fat binary: its sections ("Fatbin elf code:" or "Fatbin ptx
+    code:", then "arch = sm_90"), one architecture each."""
+    sections = {}
+    for part in re.split(r"^Fatbin (?:elf|ptx) code:$", text, flags=re.M)[1:]:
+        m = re.search(r"^arch = (sm_\w+)$", part, flags=re.M)
+        if m:
+            sections[m.group(1)] = sections.get(m.group(1), "") + part
+    return sections
 
 
 def demangle(names):
@@ -207,6 +223,59 @@ def steady_loop(instructions, by="HMMA"):
         if n and (best is None or n > best[0] or (n == best[0] and last - first < best[2] - best[1])):
             best = (n, first, last)
     return None if best is None else instructions[best[1]:best[2] + 1]
+
+
+def _target(ins):
+    m = re.search(r"0x([0-9a-f]+)", " ".join(ins.operands))
+    return int(m.group(1), 16) if m else None
+
+
+def main_path(body, needs, loop=True):
+    """The shortest path through `body` (a loop: from its first instruction to its backward branch; else a
+    function, to an EXIT) holding at least needs[k] instructions of each kind k ({"LDG.128": 8, "BAR": 1}): the code
+    a thread runs at a shape that needs those (its loads, a reduction across warps) and none of the slow paths
+    (tails, fix-ups) or other shapes' branches laid out beside them. Forward branches are followed both ways
+    where predicated; a backward branch inside is not taken (an inner loop counts once); a path that leaves a
+    loop early is not one. None if there is no such path."""
+    kinds = sorted(needs)
+    states = list(itertools.product(*(range(needs[k] + 1) for k in kinds)))  # what is still needed
+    n, inf = len(body), float("inf")
+    index = {ins.address: i for i, ins in enumerate(body)}
+
+    def after(state, ins):  # the state once `ins` is on the path
+        return tuple(max(0, c - (kind(ins) == k or ins.base == k)) for c, k in zip(state, kinds))
+
+    cost = [dict.fromkeys(states, inf) for _ in range(n + 1)]  # cost[i][state]: fewest instructions from i to the end
+    step = [{} for _ in range(n + 1)]
+    cost[n][tuple(0 for _ in kinds)] = 0
+    for i in range(n - 1, -1, -1):
+        ins, successors = body[i], []
+        if ins.base == "BRA":
+            target = _target(ins)
+            forward = target is not None and target > ins.address
+            if loop and i == n - 1:
+                successors = [n]  # the back branch: the pass ends
+            elif forward and target in index:
+                successors = [index[target]]  # (a target past the body leaves it: no successor)
+            if ins.predicate or not forward:
+                successors.append(i + 1)
+        elif ins.base == "EXIT" and not ins.predicate:
+            successors = [] if loop else [n]
+        else:
+            successors = [i + 1]
+        for state in states:
+            rest = after(state, ins)
+            for s in successors:
+                if 1 + cost[s][rest] < cost[i][state]:
+                    cost[i][state], step[i][state] = 1 + cost[s][rest], s
+    start = tuple(needs[k] for k in kinds)
+    if cost[0][start] == inf:
+        return None
+    path, i, state = [], 0, start
+    while i < n:
+        path.append(body[i])
+        i, state = step[i][state], after(state, body[i])
+    return path
 
 
 def wide_loads_in_flight(instructions):

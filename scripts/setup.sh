@@ -36,6 +36,8 @@ case $torch_build in
 esac
 echo "setup: torch 2.14.1, the $torch_build build ($(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
 pip install setuptools wheel numpy pytest==8.4.2 pytest-xdist==3.8.0 pytest-benchmark expecttest ninja matplotlib transformers==5.24.0
+# the static report's disassembler (bench/sass.py, tests/test_kernel_build.py): cuobjdump and nvdisasm, no GPU needed
+pip install nvidia-cuda-cuobjdump==13.4.92 nvidia-cuda-nvdisasm==13.5.37
 
 start=$(date +%s)
 PATH="$PWD/.venv/bin:$PATH" pip install --no-build-isolation .

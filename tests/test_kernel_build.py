@@ -1,7 +1,7 @@
 """The kernels compile for every target, without register spills, with 16-byte global loads.
 
 CMakeLists.txt builds the torch-free kernel library on its own: CUDA for sm_80, sm_90, sm_100 and
-sm_120 (ptxas -v report; the PTX for sm_80 and sm_90 that nvcc made on the way, kept), HIP for gfx90a
+sm_120 (ptxas -v report; the PTX for sm_80 and sm_90 read from the objects, which carry it), HIP for gfx90a
 (wave64, CDNA) and gfx1030 (wave32, RDNA), keeping each target's device assembly (registers, spills and launch bounds from its
 code-object metadata; the MFMA instructions). A test is skipped only where its compiler is absent, and
 fails so in CI (conftest.missing_tool).
@@ -9,6 +9,7 @@ Also: a CPU-only build of the extension (what a machine without nvcc or ROCm get
 runs every op.
 """
 
+import functools
 import math
 import os
 import re
@@ -20,6 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import missing_tool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import sass, static  # noqa: E402  (the repository's bench/: cuobjdump, SASS, the static report)
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
@@ -34,8 +38,10 @@ FAMILIES = ["rmsnorm_kernel", "rmsnorm_backward_kernel", "rmsnorm_dw_reduce_kern
             "adamw_steps_kernel", "kv_scores_kernel", "kv_select_kernel", "kv_compact_kernel",
             "append_paged_kv_kernel"]
 # ptxas reports for these (the no-spill check); Blackwell's ptxas allocates differently and spilled
-# kernels that fit sm_80 and sm_90. The PTX checks read sm_80 and sm_90 only.
-SASS_ARCHS = ["80-real", "90", "100-real", "120-real"]
+# kernels that fit sm_80 and sm_90. The PTX checks read sm_80 and sm_90 only. Two builds: setup.py's own
+# architectures and flags (PTX for both; a ccache hit after scripts/setup.sh, its report replayed), then Blackwell.
+SETUP_ARCHS = ["80", "90"]  # setup.py's DEFAULT_ARCHS
+BLACKWELL_ARCHS = ["100-real", "120-real"]
 CMAKE = shutil.which("cmake")
 NINJA = shutil.which("ninja")
 
@@ -46,10 +52,12 @@ def is_family(family, name):
 
 
 def cmake_build(build_dir, *options):
-    configure = [CMAKE, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", *options]
-    subprocess.run(configure, check=True, capture_output=True, text=True)
+    # setup.py's configuration and ccache keys (paths relative to the tree), so that its objects are hits
+    env = {**os.environ, "CCACHE_BASEDIR": str(ROOT), "CCACHE_NOHASHDIR": "1"}
+    configure = [CMAKE, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *options]
+    subprocess.run(configure, check=True, capture_output=True, text=True, env=env)
     # -v: ninja prints each command; the compilers' reports come with it
-    done = subprocess.run([CMAKE, "--build", str(build_dir), "--", "-v"], capture_output=True, text=True)
+    done = subprocess.run([CMAKE, "--build", str(build_dir), "--", "-v"], capture_output=True, text=True, env=env)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-8000:]
     return log
@@ -65,18 +73,20 @@ def demangle(names):
 
 @pytest.fixture(scope="module")
 def cuda_build(tmp_path_factory):
+    """(the sm_80/sm_90 build directory, the ptxas report of all four architectures)."""
     if not (NVCC and CMAKE and NINJA):
         missing_tool("nvcc, cmake or ninja")
-    build = tmp_path_factory.mktemp("cuda")
-    log = cmake_build(
-        build,
-        f"-DCMAKE_CUDA_COMPILER={NVCC}",
-        "-DFLASHKERN_CUDA=ON",
-        f"-DFLASHKERN_CUDA_ARCHS={';'.join(SASS_ARCHS)}",
-        "-DFLASHKERN_CUDA_KEEP=ON",  # each architecture's PTX, from the same compile
-        "-DFLASHKERN_RESOURCE_USAGE=ON",
-    )
-    return build, log
+    if sass.disassembler() is None:
+        pytest.fail(sass.MISSING_DISASSEMBLER)
+    builds = {archs[0]: tmp_path_factory.mktemp("cuda") for archs in (SETUP_ARCHS, BLACKWELL_ARCHS)}
+    log = "".join(cmake_build(build, f"-DCMAKE_CUDA_COMPILER={NVCC}", "-DFLASHKERN_CUDA=ON",
+                              f"-DFLASHKERN_CUDA_ARCHS={';'.join(archs)}", "-DFLASHKERN_RESOURCE_USAGE=ON")
+                  for archs, build in zip((SETUP_ARCHS, BLACKWELL_ARCHS), builds.values()))
+    return builds["80"], log
+
+
+def cuda_object(build, source):
+    return build / "CMakeFiles" / "flashkern_cuda.dir" / "csrc" / "cuda" / f"{source}.cu.o"
 
 
 def ptxas_reports(log):
@@ -112,6 +122,57 @@ def test_cuda_kernels_compile_without_spills(cuda_build):
 
 
 
+@pytest.fixture(scope="module")
+def static_figures(cuda_build, tmp_path_factory):
+    """{(label, arch): Figures} of bench/static.py's kernels: sm_90 from this module's build, sm_90a compiled here."""
+    build, log = cuda_build
+    sources = sorted({k.source for k in static.KERNELS})
+    results = {(s, "90"): (sass.by_arch(sass.dump_sass(cuda_object(build, s)))["sm_90"], log) for s in sources}
+    results.update(static.compiled(["90a"], sources, tmp_path_factory.mktemp("sm_90a")))
+    return {(k.label, arch): static.figures(k, *results[(k.source, arch[3:])], arch)
+            for k in static.KERNELS for arch in ("sm_90", "sm_90a")}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
+def test_static_report_meets_its_goals(static_figures, arch):
+    """The static report's figures (docs/benchmarks.md) held to bench/static.py's GOALS: registers, 16-byte
+    loads in flight, instructions an element, spills; a change that loses one fails here."""
+    unmet = {label: static.unmet(label, static_figures[(label, arch)]) for label in static.GOALS}
+    assert not any(unmet.values()), f"{arch}: {unmet}"
+
+
+# Two passes of a row loop: x and w loaded, then a tail branch with its own narrow load, the use, a store.
+_SASS = """
+        Function : kernel
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0010*/                   LDG.E.128 R8, desc[UR4][R12.64] ;
+        /*0020*/              @!P0 BRA 0x50 ;
+        /*0030*/                   LDG.E.U16 R14, desc[UR4][R2.64] ;
+        /*0040*/                   LDG.E.U16 R15, desc[UR4][R2.64+0x2] ;
+        /*0050*/                   HFMA2 R4, R4, R8, RZ ;
+        /*0060*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0070*/               @P1 BRA 0x0 ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_static_report_reader_on_known_code():
+    """bench/sass.py on hand-written SASS: the loop, both loads in flight before the first use, the tail
+    branch left out of the main path (and taken where the path must have a narrow load), one load at a time
+    when each is used before the next."""
+    (body,) = sass.parse_sass(_SASS).values()
+    loop = sass.steady_loop(body, by="LDG.128")
+    assert [i.address for i in (loop[0], loop[-1])] == [0x0, 0x70]
+    main = sass.main_path(loop, {"LDG.128": 2})
+    assert [i.address for i in main] == [0x0, 0x10, 0x20, 0x50, 0x60, 0x70]
+    assert sass.wide_loads_in_flight(main) == 2
+    assert len(sass.main_path(loop, {"LDG.128": 2, "LDG.16": 1})) == 8
+    assert sass.main_path(loop, {"LDG.128": 3}) is None
+    serial = sass.parse_sass(_SASS.replace("R8, desc[UR4][R12.64]", "R8, desc[UR4][R4.64]"))
+    assert sass.wide_loads_in_flight(next(iter(serial.values()))) == 1
+    assert sass.occupancy(64, 256, 256) == (4, 32) and sass.occupancy(56, 512, 256) == (2, 32)
+
+
 def test_inline_asm_that_touches_memory_says_so():
     """Every inline-asm statement in platform.h with a memory operand ([...]: cp.async, ldmatrix) or
     that orders memory (commit, wait) has a "memory" clobber, so that the compiler keeps plain loads
@@ -132,10 +193,12 @@ def ptx_entries(ptx):
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
+@functools.cache
 def ptx_of(build, source, arch):
-    ptx_file = build / "cuda-keep" / f"{source}.compute_{arch}.ptx"
-    assert ptx_file.exists(), f"no PTX for {source} sm_{arch}"
-    entries = ptx_entries(ptx_file.read_text())
+    """({mangled entry: PTX body}, {mangled: demangled}) of csrc/cuda/<source>.cu for sm_<arch>, from its object."""
+    ptx = sass.by_arch(sass.cuobjdump("-ptx", cuda_object(build, source))).get(f"sm_{arch}")
+    assert ptx, f"no PTX for {source} sm_{arch}"
+    entries = ptx_entries(ptx)
     return entries, demangle(sorted(entries))
 
 
