@@ -253,11 +253,14 @@ def main_path(body, needs, loop=True):
         if ins.base == "BRA":
             target = _target(ins)
             forward = target is not None and target > ins.address
+            # conditional: a guard, a predicate operand (BRA P1, …) or a warp-convergence test (BRA.DIV, .CONV)
+            conditional = bool(ins.predicate) or "." in ins.opcode or any(
+                re.fullmatch(r"!?U?P(\d|T)", o.strip()) for o in ins.operands)
             if loop and i == n - 1:
                 successors = [n]  # the back branch: the pass ends
             elif forward and target in index:
                 successors = [index[target]]  # (a target past the body leaves it: no successor)
-            if ins.predicate or not forward:
+            if conditional or not forward:
                 successors.append(i + 1)
         elif ins.base == "EXIT" and not ins.predicate:
             successors = [] if loop else [n]

@@ -1,12 +1,14 @@
-"""The static performance report: for each kernel instantiation the benchmarks time, what its sm_90 and sm_90a
-SASS says about its speed, read without a GPU (bench/sass.py).
+"""The static performance report: for the row kernels' benchmarked instantiations (KERNELS: rmsnorm, fused add,
+silu/gelu_tanh_and_mul; attention is not in it yet), what their sm_90 and sm_90a SASS says about their speed, read
+without a GPU (bench/sass.py).
 
     python -m bench.static            compile (nvcc -Xptxas -v, sm_90 and sm_90a), print the table
     python -m bench.static --write    the same, into docs/benchmarks.md between its "static report" markers
 
 Per kernel: registers, spill bytes, static shared memory, resident blocks and warps on an H100/H200 SM (from the
 registers, the block the benchmarked shape launches and shared memory), and for its steady loop (the loop with
-the most 16-byte loads, or HMMAs for the attention tiles; the whole function where there is no loop): the
+the most 16-byte loads; the whole function where there is no loop), along the shortest path through a pass that
+runs what the shape needs (Kernel.needs: its 16-byte loads and stores, a reduction's shuffles and barrier): the
 instruction mix, the 16-byte loads a thread issues before it uses the first (in flight), and instructions per
 element a thread handles (row kernels) or per HMMA (attention tiles). It is static: instructions as laid out,
 not as issued; no timing is modelled. tests/test_kernel_build.py holds the figures to GOALS on every CI run.
@@ -14,7 +16,7 @@ not as issued; no timing is modelled. tests/test_kernel_build.py holds the figur
 
 import argparse
 import os
-import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,21 +51,22 @@ class Kernel:
 # The launched block: rmsnorm's is the row's 16-byte vectors over the vectors a thread holds (8192 bf16 columns =
 # 1024 vectors: 4 a thread, 256 threads; fused, 2 a thread, 512); act_and_mul's is kActThreads, one vector a thread;
 # the attention kernels' is their launch bound (TileShape::kThreads, decode's 128). What a pass needs: rmsnorm x and
-# the weight, 4 vectors each (fused: x, the residual and the weight, 2 each) and the row's sum over 8 (16) warps:
-# 5 shuffles and a barrier at least; act_and_mul one vector of each half.
+# the weight, 4 vectors each, and 4 stores of y (fused: x, the residual and the weight, 2 each; stores of the
+# residual and y, 2 each) and the row's sum over 8 (16) warps: 5 shuffles and a barrier at least; act_and_mul one
+# vector of each half and one store.
 KERNELS = [
     Kernel("rmsnorm", "32768 x 8192 bf16", "rmsnorm",
            "void fk::rmsnorm_kernel<32, fk::bf16_t, fk::bf16_t, 8, 4, false>(fk::RmsnormParams, fk::RowPlan)", 256, 32,
-           (("LDG.128", 8), ("SHFL", 5), ("BAR", 1))),
+           (("LDG.128", 8), ("STG.128", 4), ("SHFL", 5), ("BAR", 1))),
     Kernel("fused_add_rmsnorm", "32768 x 8192 bf16", "rmsnorm",
            "void fk::rmsnorm_kernel<32, fk::bf16_t, fk::bf16_t, 8, 2, true>(fk::RmsnormParams, fk::RowPlan)", 512, 16,
-           (("LDG.128", 6), ("SHFL", 5), ("BAR", 1))),
+           (("LDG.128", 6), ("STG.128", 4), ("SHFL", 5), ("BAR", 1))),
     Kernel("silu_and_mul", "32768 x 2·28672 bf16", "act_and_mul",
            "void fk::act_and_mul_kernel<fk::bf16_t, (fk::Activation)0, 8>(fk::ActAndMulParams, fk::ActPlan)", 256, 8,
-           (("LDG.128", 2),)),
+           (("LDG.128", 2), ("STG.128", 1))),
     Kernel("gelu_tanh_and_mul", "32768 x 2·28672 bf16", "act_and_mul",
            "void fk::act_and_mul_kernel<fk::bf16_t, (fk::Activation)2, 8>(fk::ActAndMulParams, fk::ActPlan)", 256, 8,
-           (("LDG.128", 2),)),
+           (("LDG.128", 2), ("STG.128", 1))),
 ]
 
 # What CI holds each figure to (tests/test_kernel_build.py): the issue's goals where met; where a goal is not met
@@ -130,7 +133,8 @@ def compile_object(source, arch, out):
     """csrc/cuda/<source>.cu compiled as the library is (-O3, -DNDEBUG) for `arch` ('90' or '90a') SASS alone;
     returns (cuobjdump -sass text, ptxas -v output)."""
     obj = out / f"{source}.sm_{arch}.o"
-    done = subprocess.run([nvcc(), "-O3", "-DNDEBUG", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+    launcher = [ccache] if (ccache := shutil.which("ccache")) else []  # CI compiles these on every run
+    done = subprocess.run([*launcher, nvcc(), "-O3", "-DNDEBUG", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
                            "-Xptxas=-v", f"-I{ROOT / 'csrc' / 'include'}", "-c", str(ROOT / "csrc" / "cuda" / f"{source}.cu"),
                            "-o", str(obj)], capture_output=True, text=True)
     if done.returncode != 0:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import SHARE, missing_tool, rotating_index, subprocess_limit
+from conftest import ROTATION, SHARE, missing_tool, rotating_index, subprocess_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
@@ -93,8 +93,8 @@ def finish(run, alone_seconds=300):
 # What the ASan run leaves out of the emulated-kernel module: the wave32 launchers (CI time: the kernels'
 # indexing at 32 lanes a warp is the CUDA build's) and the batch-invariance tests (no kernel path of their own).
 # Of the rest it runs one test in three, a share that rotates with the code (CI time; conftest.SHARE), so that
-# every test runs under ASan across commits; a whole suite's run runs the other half plain, and leaves the ASan
-# run's half out of its own (conftest.py): each test runs once a commit, one way or the other.
+# every test runs under ASan across commits; a whole suite's run runs the other two thirds plain, and leaves the
+# ASan run's third out of its own (conftest.py): each test runs once a commit, one way or the other.
 ASAN_LEAVES_OUT = ("hip-wave32", "batch_invariant")
 # The TSan tour: every kernel and path on the CUDA launchers each commit, and on one of the two HIP widths, rotating
 # (CI time: a TSan thread for every GPU thread makes each tour minutes long).
@@ -304,7 +304,7 @@ def mutant_run(mutant, tmp):
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutant_is_caught(mutant, scratch):
-    if rotating_index(f"mutant {mutant}", SHARE["mutant"]):  # each a rebuild under its sanitizer: 20-40 s
+    if (sorted(MUTANTS).index(mutant) + ROTATION) % SHARE["mutant"]:  # each a rebuild under its sanitizer: 20-40 s
         pytest.skip(f"one mutant in {SHARE['mutant']} a commit, rotating (CI time; FLASHKERN_TEST_EMULATE_SAMPLE=1 "
                     "runs all)")
     sanitizer, expected = MUTANTS[mutant][3], MUTANTS[mutant][5]
