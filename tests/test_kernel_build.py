@@ -63,9 +63,7 @@ def cmake_build(build_dir, *options):
     return log
 
 
-def demangle(names):
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
-    return dict(zip(names, out.splitlines()))
+demangle = sass.demangle  # {mangled: demangled}
 
 
 # ---------------------------------------------------------------- CUDA
@@ -94,34 +92,17 @@ def cuda_object(build, source):
     return build / "CMakeFiles" / "flashkern_cuda.dir" / "csrc" / "cuda" / f"{source}.cu.o"
 
 
-def ptxas_reports(log):
-    """{(kernel, sm): (registers, spill stores, spill loads)} from ptxas -v output."""
-    reports, current = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)' for '(sm_\d+)'", line)
-        if m:
-            current = m.groups()
-            continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and current:
-            reports.setdefault(current, [0, 0, 0])[1:] = [int(m.group(1)), int(m.group(2))]
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current:
-            reports.setdefault(current, [0, 0, 0])[0] = int(m.group(1))
-    return reports
-
-
 def test_cuda_kernels_compile_without_spills(cuda_build):
     build, log = cuda_build
     assert (build / "libflashkern_cuda.a").exists()
-    reports = ptxas_reports(log)
+    reports = sass.ptxas_resources(log)
     kernels = {k for k, _ in reports}
     archs = {sm for _, sm in reports}
     assert archs == {"sm_80", "sm_90", "sm_100", "sm_120"}, archs
     names = demangle(sorted(kernels))
     for family in FAMILIES:
         assert any(is_family(family, n) for n in names.values()), f"no {family} in the ptxas report"
-    spills = {f"{names[k]} {sm}": v for (k, sm), v in reports.items() if v[1] or v[2]}
+    spills = {f"{names[k]} {sm}": r for (k, sm), r in reports.items() if r.spill_stores or r.spill_loads}
     assert not spills, f"register spills: {spills}"
 
 
